@@ -1,0 +1,272 @@
+"""Decoder-only transformer in flax.linen whose parameters and activations carry logical axis names.
+
+Every parameter is created through `nn.with_logical_partitioning`, so `model.init` returns
+`nn.LogicallyPartitioned` boxes naming each dimension with one of the logical axes
+
+    "vocab"   vocabulary              "embed"   model width (d_model)
+    "mlp"     MLP hidden width        "heads"   attention heads
+    "kv"      per-head width          "length"  sequence position (learned positions only)
+
+and `sonew_pax.partitioning` maps those names onto the device mesh. Activations are constrained
+with `nn.with_logical_constraint` using "batch", "length", "embed", "heads", "kv", "mlp" and
+"vocab"; the constraints are no-ops unless a mesh and logical axis rules are active.
+
+Layers are a plain Python loop (no `nn.scan`), so each layer's parameters are separate tensors with
+the layer's own shapes, which is the layout the SONew state follows (ARCHITECTURE decision 1).
+Architecture: token embedding (+ learned positions, or rotary positions inside attention), pre-norm
+residual blocks of RMSNorm → causal self-attention and RMSNorm → MLP (gelu or swiglu), final
+RMSNorm, then logits in float32 from the tied embedding or a separate output kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+
+_ACTIVATIONS = ("gelu", "swiglu")
+_POSITIONS = ("rotary", "learned")
+_DTYPES = ("float32", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    """Hyper-parameters of the decoder-only `Transformer`.
+
+    Registered with gin as `TransformerConfig` (module `sonew_pax.models`); the shipped model
+    configs in `configs/models/` bind its fields and define `MODEL_CONFIG = @TransformerConfig()`.
+
+    Attributes:
+      vocab_size: number of token ids (256 for bytes, 32000 for the default sentencepiece model).
+      d_model: residual stream width ("embed" axis).
+      num_layers: number of decoder blocks.
+      num_heads: attention heads ("heads" axis).
+      head_dim: width of each head ("kv" axis); even when `positions == "rotary"`.
+      mlp_dim: MLP hidden width ("mlp" axis).
+      max_len: longest sequence the model accepts (size of the learned position table).
+      mlp_activation: "gelu" (one input kernel) or "swiglu" (gate and up kernels).
+      positions: "rotary" (RoPE on queries and keys) or "learned" (added position embedding).
+      tie_embeddings: compute logits with the transposed token embedding instead of a separate
+        (embed, vocab) output kernel.
+      dtype: compute dtype, "float32" or "bfloat16"; norms, softmax and logits stay float32.
+      param_dtype: storage dtype of the parameters.
+      dropout_rate: dropout on attention probabilities and on each residual branch.
+      init_std: standard deviation of the normal initialisers; the two projections that write
+        into the residual stream (attention out, MLP out) use init_std / sqrt(2 * num_layers),
+        as in GPT-2.
+      rope_base: wavelength base of the rotary frequencies.
+      norm_eps: epsilon of RMSNorm.
+    """
+
+    vocab_size: int = 256
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 4
+    head_dim: int = 32
+    mlp_dim: int = 512
+    max_len: int = 128
+    mlp_activation: str = "gelu"
+    positions: str = "rotary"
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    dropout_rate: float = 0.0
+    init_std: float = 0.02
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "mlp_dim",
+                     "max_len"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ValueError(f"TransformerConfig.{name} must be >= 1, got {value}")
+        _check_choice("mlp_activation", self.mlp_activation, _ACTIVATIONS)
+        _check_choice("positions", self.positions, _POSITIONS)
+        _check_choice("dtype", self.dtype, _DTYPES)
+        _check_choice("param_dtype", self.param_dtype, _DTYPES)
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+        if not 0.0 <= self.dropout_rate < 1.0:
+            raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+
+
+gin.external_configurable(TransformerConfig, module="sonew_pax.models")
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"TransformerConfig.{name} must be one of {choices}, got {value!r}")
+
+
+def count_params(params) -> int:
+    """Number of scalar parameters in a pytree of arrays, ShapeDtypeStructs or logical boxes."""
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
+
+
+def _normal(std: float):
+    return nn.initializers.normal(stddev=std)
+
+
+def _param(module: nn.Module, name: str, names: tuple[str, ...], shape, init):
+    """Creates a parameter boxed with its logical axis names."""
+    cfg = module.config
+    return module.param(name, nn.with_logical_partitioning(init, names), shape,
+                        jnp.dtype(cfg.param_dtype))
+
+
+def rotary_embedding(x: jax.Array, base: float) -> jax.Array:
+    """Rotates the halves of the last axis of `x` [batch, length, heads, head_dim] by position.
+
+    Position p rotates the pair (x[..., i], x[..., i + head_dim/2]) by the angle
+    p * base^(-2i/head_dim) (the GPT-NeoX / LLaMA form of RoPE). Computed in float32.
+    """
+    half = x.shape[-1] // 2
+    inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq
+    sin = jnp.sin(angles)[None, :, None, :]
+    cos = jnp.cos(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm with a learned ("embed",) scale, computed in float32."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        scale = _param(self, "scale", ("embed",), (x.shape[-1],), nn.initializers.ones)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + cfg.norm_eps)
+        return (y * scale.astype(jnp.float32)).astype(jnp.dtype(cfg.dtype))
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention; kernels (embed, heads, kv) and (heads, kv, embed)."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        qkv_shape = (cfg.d_model, cfg.num_heads, cfg.head_dim)
+        qkv_names = ("embed", "heads", "kv")
+        init = _normal(cfg.init_std)
+        heads_axes = ("batch", "length", "heads", "kv")
+
+        def project(name):
+            kernel = _param(self, name, qkv_names, qkv_shape, init).astype(dtype)
+            return nn.with_logical_constraint(jnp.einsum("bld,dhk->blhk", x, kernel), heads_axes)
+
+        q, k, v = project("query"), project("key"), project("value")
+        if cfg.positions == "rotary":
+            q, k = rotary_embedding(q, cfg.rope_base), rotary_embedding(k, cfg.rope_base)
+        q = q * jnp.asarray(1.0 / math.sqrt(cfg.head_dim), dtype)
+        scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32)
+        length = x.shape[1]
+        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+        probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
+        attended = nn.with_logical_constraint(jnp.einsum("bhqt,bthk->bqhk", probs, v), heads_axes)
+        out_init = _normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        out_kernel = _param(self, "out", ("heads", "kv", "embed"),
+                            (cfg.num_heads, cfg.head_dim, cfg.d_model), out_init).astype(dtype)
+        out = jnp.einsum("blhk,hkd->bld", attended, out_kernel)
+        return nn.with_logical_constraint(out, ("batch", "length", "embed"))
+
+
+class Mlp(nn.Module):
+    """Position-wise MLP: gelu(x Wi) Wo, or (silu(x Wg) * x Wu) Wo for swiglu."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        init = _normal(cfg.init_std)
+        hidden_axes = ("batch", "length", "mlp")
+
+        def up(name):
+            kernel = _param(self, name, ("embed", "mlp"), (cfg.d_model, cfg.mlp_dim), init)
+            return nn.with_logical_constraint(x @ kernel.astype(dtype), hidden_axes)
+
+        if cfg.mlp_activation == "swiglu":
+            hidden = nn.silu(up("wi_gate")) * up("wi_up")
+        else:
+            hidden = nn.gelu(up("wi"))
+        out_init = _normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
+        wo = _param(self, "wo", ("mlp", "embed"), (cfg.mlp_dim, cfg.d_model), out_init)
+        return nn.with_logical_constraint(hidden @ wo.astype(dtype), ("batch", "length", "embed"))
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm residual block: x + Attn(Norm(x)), then x + Mlp(Norm(x))."""
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+        cfg = self.config
+        drop = nn.Dropout(cfg.dropout_rate)
+        attended = CausalSelfAttention(cfg, name="attn")(RMSNorm(cfg, name="attn_norm")(x),
+                                                         deterministic)
+        x = x + drop(attended, deterministic=deterministic)
+        x = x + drop(Mlp(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x)),
+                     deterministic=deterministic)
+        return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class Transformer(nn.Module):
+    """Decoder-only language model: `apply({"params": p}, tokens[B, L] int32) -> logits[B, L, V]`.
+
+    Logits are float32 whatever the compute dtype. Parameters (all `nn.LogicallyPartitioned`):
+    `embedding` (vocab, embed); `pos_embedding` (length, embed) when positions are learned;
+    `layer_<i>/{attn_norm,mlp_norm}/scale` (embed,); `layer_<i>/attn/{query,key,value}`
+    (embed, heads, kv) and `layer_<i>/attn/out` (heads, kv, embed); `layer_<i>/mlp/wi` or
+    `wi_gate` and `wi_up` (embed, mlp) and `layer_<i>/mlp/wo` (mlp, embed); `final_norm/scale`
+    (embed,); `output` (embed, vocab) unless embeddings are tied. Dropout (when
+    `dropout_rate > 0` and `deterministic=False`) draws from the "dropout" RNG stream.
+    """
+
+    config: TransformerConfig
+
+    @nn.compact
+    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+        cfg = self.config
+        dtype = jnp.dtype(cfg.dtype)
+        length = tokens.shape[1]
+        if length > cfg.max_len:
+            raise ValueError(f"sequence length {length} exceeds max_len {cfg.max_len}")
+        init = _normal(cfg.init_std)
+        embedding = _param(self, "embedding", ("vocab", "embed"), (cfg.vocab_size, cfg.d_model),
+                           init)
+        x = jnp.take(embedding.astype(dtype), tokens, axis=0)
+        if cfg.positions == "learned":
+            table = _param(self, "pos_embedding", ("length", "embed"), (cfg.max_len, cfg.d_model),
+                           init)
+            x = x + table[:length].astype(dtype)[None]
+        x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+        x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        for i in range(cfg.num_layers):
+            x = DecoderBlock(cfg, name=f"layer_{i}")(x, deterministic)
+        x = RMSNorm(cfg, name="final_norm")(x)
+        if cfg.tie_embeddings:
+            logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype),
+                                preferred_element_type=jnp.float32)
+        else:
+            kernel = _param(self, "output", ("embed", "vocab"), (cfg.d_model, cfg.vocab_size),
+                            init)
+            logits = jnp.einsum("bld,dv->blv", x, kernel.astype(dtype),
+                                preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
