@@ -1,0 +1,57 @@
+"""Small helpers shared by the benchmark scripts: device name, date, JSON output, text tables."""
+
+import datetime
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import jax
+
+
+def device_name() -> str:
+    """A readable name of the default device, e.g. 'NVIDIA H100 80GB HBM3' or 'cpu'."""
+    device = jax.devices()[0]
+    return getattr(device, "device_kind", device.platform)
+
+
+def utc_date() -> str:
+    """The current UTC time, ISO 8601 to the second."""
+    return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
+
+
+def write_text(path: str | os.PathLike, text: str) -> Path:
+    """Writes `text` atomically (temporary file, then rename), creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def write_json(path: str | os.PathLike, obj) -> Path:
+    """Writes `obj` as indented JSON, atomically."""
+    return write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def _cell(value) -> str:
+    """One table cell: floats with 3 decimals (3 significant digits below 1), None as '-'."""
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+    return str(value)
+
+
+def format_table(rows: Sequence[dict], columns: Sequence[str], markdown: bool = False) -> str:
+    """Rows (dicts) as an aligned text table, or a GitHub markdown table if `markdown`."""
+    cells = [[_cell(row.get(c)) for c in columns] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells]) + "\n"
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(lines) + "\n"
