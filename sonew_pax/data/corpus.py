@@ -102,7 +102,7 @@ def split_document(text: str, eval_fraction: float) -> tuple[str, str]:
     """
     if not 0.0 <= eval_fraction < 1.0:
         raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
-    cut = len(text) - int(round(len(text) * eval_fraction))
+    cut = len(text) - round(len(text) * eval_fraction)
     if cut < len(text):
         newline = text.find("\n", cut)
         if 0 <= newline < len(text) - 1:

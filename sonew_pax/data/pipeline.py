@@ -2,10 +2,10 @@
 
 Order. The packed training examples are shuffled by ``grain.MapDataset.shuffle`` and repeated
 forever; each epoch is reshuffled with its own seed (grain derives it from the seed and the epoch).
-The global stream is cut into global batches of ``batch_size`` consecutive examples: global batch
-``s`` is stream examples ``[s * B, (s + 1) * B)``, so it depends only on ``(seed, s)``. Process ``p``
-of ``P`` reads rows ``[p * B / P, (p + 1) * B / P)`` of it, and only those, so the P local batches
-concatenated in process order are the global batch whatever P is.
+The global stream is cut into global batches of ``batch_size`` consecutive examples: global
+batch ``s`` is stream examples ``[s * B, (s + 1) * B)``, so it depends only on ``(seed, s)``.
+Process ``p`` of ``P`` reads rows ``[p * B / P, (p + 1) * B / P)`` of it, and only those, so
+the P local batches concatenated in process order are the global batch whatever P is.
 
 Position. The iterator's state is the next step (plus the seed and global batch size, checked on
 restore). It is independent of the process count, so a checkpoint resumes on another topology.
@@ -122,7 +122,7 @@ def train_batches(
     process_index: int = 0,
     process_count: int = 1,
 ) -> grain.MapDataset:
-    """Returns the infinite MapDataset whose item ``s`` is this process's part of global batch ``s``.
+    """Returns the endless MapDataset whose item ``s`` is this process's part of global batch s.
 
     Args:
       examples: the packed training examples (any random-access source).

@@ -48,7 +48,7 @@ class SeqioTokenizer:
 
 
 def seqio_tokenizer(task_name: str, feature: str = "targets") -> SeqioTokenizer:
-    """Returns the vocabulary of `feature` of a registered seqio task (or mixture) as a tokenizer."""
+    """Returns the vocabulary of `feature` of a registered seqio task or mixture, as a tokenizer."""
     task = import_seqio().get_mixture_or_task(task_name)
     return SeqioTokenizer(task.output_features[feature].vocabulary)
 

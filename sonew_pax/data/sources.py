@@ -45,9 +45,7 @@ def text_dir_documents(path: str) -> list[str]:
 def array_record_paths(pattern: str) -> list[str]:
     """Resolves `pattern` (a file, a glob or a directory) to a sorted list of ArrayRecord files."""
     root = pathlib.Path(pattern)
-    paths = sorted(glob.glob(str(root / "*.array_record"))) if root.is_dir() else sorted(
-        glob.glob(pattern)
-    )
+    paths = sorted(glob.glob(str(root / "*.array_record") if root.is_dir() else pattern))
     if not paths:
         raise corpus.MissingCorpusError(f"array_record source: no files match {pattern!r}")
     return paths

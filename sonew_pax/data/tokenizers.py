@@ -136,7 +136,9 @@ def train_sentencepiece(
         return path
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(dir=cache, suffix=".tmp", delete=False) as handle:
-        spm.SentencePieceTrainer.train(sentence_iterator=iter(sample), model_writer=handle, **options)
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sample), model_writer=handle, **options
+        )
     os.replace(handle.name, path)
     return path
 
