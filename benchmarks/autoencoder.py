@@ -24,9 +24,14 @@ Benchmark", tables (a) float32 and (b) bfloat16), mapped to optax / `sonew_pax.o
   without momentum.
 - adam: `optax.adam(lr, b1=β1, b2=β2, eps=ε)`: bias-corrected, ε outside the square root.
 - sonew_diag / sonew_tridiag / sonew_band4 / sonew_band10: `sonew(lr, b1=β1, b2=β2, eps=ε,
-  band=0|1|4|10, graft="adam", graft_eps=ε)`. The paper gives one ε per optimizer; it is used both
-  as SONew's damping and as the Adam-graft ε. The paper gives no hyperparameters for band-10:
-  band-4's are used. No weight decay anywhere (the paper mentions none).
+  band=0|1|4|10, graft="adam", graft_eps=1e-8)`. Our `eps` is an absolute damping added to the
+  bias-corrected diagonal of H (the paper's H_0 = εI). The paper gives one ε per optimizer and no
+  graft ε: the Adam-graft ε keeps the authors' JAX code's default 1e-8 (`--sonew_graft_eps eps`
+  ties it to ε instead). Caveat: the authors' tridiagonal code (init2winit `tds`) adds ε relative
+  to each tensor's max absolute row sum of H (ε·||H||_∞) by default, while their banded code adds
+  it absolutely; our sonew only has the absolute form, so the paper's ε may mean a different
+  damping here; `--sweep` scans ε over 8 decades for that reason. The paper gives no
+  hyperparameters for band-10: band-4's are used. No weight decay anywhere (the paper has none).
 
 bfloat16 variant (`--dtype bfloat16`): parameters, activations, gradients and the optax optimizers'
 states are bfloat16 (optax keeps states in the parameter dtype); the loss reduction is float32 and
@@ -198,15 +203,20 @@ def lr_schedule(peak, steps_per_epoch: int, epochs: int, warmup_epochs: float):
     return schedule
 
 
-def make_optimizer(name: str, hp: dict, schedule) -> optax.GradientTransformation:
-    """The transformation `name` with hyperparameters `hp` (b1, b2, eps; may be traced)."""
+def make_optimizer(
+    name: str, hp: dict, schedule, graft_eps: float | str = 1e-8
+) -> optax.GradientTransformation:
+    """The transformation `name` with hyperparameters `hp` (b1, b2, eps; may be traced).
+
+    `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε.
+    """
     b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
     if name in SONEW_BANDS:
         from sonew_pax.optim import sonew  # lazy: the optimizer library is optional here
 
-        return sonew(
-            schedule, b1=b1, b2=b2, eps=eps, band=SONEW_BANDS[name], graft="adam", graft_eps=eps
-        )
+        graft_eps = eps if graft_eps == "eps" else float(graft_eps)
+        band = SONEW_BANDS[name]
+        return sonew(schedule, b1=b1, b2=b2, eps=eps, band=band, graft="adam", graft_eps=graft_eps)
     builders = {
         "sgd": lambda: optax.sgd(schedule),
         "momentum": lambda: optax.sgd(schedule, momentum=b1),
@@ -231,11 +241,12 @@ class Trainer:
         self.steps = data.shape[0] // self.batch
         self.epochs, self.warmup_epochs = args.epochs, args.warmup_epochs
         self.dtype = jnp.dtype(args.dtype)
+        self.graft_eps = args.sonew_graft_eps
 
     def _tx(self, hp: dict) -> optax.GradientTransformation:
         """This run's optimizer; its schedule peaks at the run's learning rate."""
         schedule = lr_schedule(hp["learning_rate"], self.steps, self.epochs, self.warmup_epochs)
-        return make_optimizer(self.name, {**self.betas, **hp}, schedule)
+        return make_optimizer(self.name, {**self.betas, **hp}, schedule, self.graft_eps)
 
     def _init(self, hp: dict):
         """Parameters from the run's seed and the optimizer state."""
@@ -397,7 +408,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     half = max(len(rows[0]["curve"]) // 2, 1)
     tail = [v for row in rows for v in row["curve"][half - 1 :]]
     axes[0].set_yscale("log")
-    axes[1].set_xlim(half, len(rows[0]["curve"]))
+    axes[1].set_xlim(half, max(len(rows[0]["curve"]), half + 1))
     axes[1].set_ylim(min(tail) - 0.5, min(max(tail), min(tail) + 15))
     for ax in axes:
         ax.set_xlabel("epoch")
@@ -433,6 +444,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sweep_lr_only",
         default="0.25,0.5,1,2,4",
         help="lr factors for optimizers without ε (sgd, momentum, nesterov)",
+    )
+    p.add_argument(
+        "--sonew_graft_eps", default="1e-8", help="SONew's Adam-graft ε: a number, or 'eps' (= ε)"
     )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: by dtype/sweep)")
     args = p.parse_args(argv)
