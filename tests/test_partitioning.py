@@ -163,3 +163,15 @@ def test_sharded_forward_matches_single_device():
         assert array.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), array.ndim)
     assert logits.sharding.spec[0] in ("data", ("replica", "data"))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
+
+
+def test_activation_constraints_only_under_rules_context():
+    mesh = partitioning.make_mesh(data=2, model=4)
+    model = Transformer(CONFIG)
+    tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
+    params = jax.eval_shape(
+        lambda: nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((8, 16), jnp.int32))))
+    forward = jax.jit(model.apply)
+    assert "sharding_constraint" not in forward.lower(params, tokens).as_text()
+    with partitioning.axis_rules_context(mesh):
+        assert "sharding_constraint" in forward.lower(params, tokens).as_text()
