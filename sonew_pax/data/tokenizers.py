@@ -109,7 +109,8 @@ def train_sentencepiece(
     Args:
       documents: training text (use the train split only).
       cache_dir: directory for the ``.model`` file; created if missing.
-      vocab_size: number of pieces, including PAD/EOS/UNK and the 256 byte-fallback pieces.
+      vocab_size: number of pieces, including PAD/EOS/UNK and the 256 byte-fallback pieces; a
+        soft limit (a corpus too small for it gives fewer pieces, see the tokenizer's vocab_size).
       model_type: ``"unigram"`` or ``"bpe"``.
       max_chars: size of the training sample.
     """
@@ -122,6 +123,7 @@ def train_sentencepiece(
         unk_id=2,
         bos_id=-1,
         byte_fallback=True,
+        hard_vocab_limit=False,
         character_coverage=1.0,
         shuffle_input_sentence=False,
         num_threads=1,
