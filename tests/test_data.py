@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import json
+import pathlib
 import time
 
 import gin
@@ -252,6 +253,18 @@ def test_gin_configures_the_source(tmp_path):
     finally:
         gin.clear_config()
     assert set(ByteTokenizer().decode(batch["inputs"].reshape(-1))) <= set("alpha beta gamma\n")
+
+
+@pytest.mark.parametrize("name", ["shakespeare_byte", "shakespeare_spm", "shakespeare_kjv"])
+def test_shipped_data_gin_files_parse(name):
+    path = pathlib.Path(__file__).parent.parent / "configs" / "data" / f"{name}.gin"
+    gin.clear_config()
+    try:
+        gin.parse_config_file(str(path))
+        config = DataConfig()
+    finally:
+        gin.clear_config()
+    assert config.source.startswith("shakespeare")
 
 
 # --- other sources ----------------------------------------------------------------------------

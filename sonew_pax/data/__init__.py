@@ -17,8 +17,8 @@ Gin names (all also reachable with the ``sonew_pax.data.`` prefix):
   ``"text_dir:PATH"``, ``"array_record:PATTERN"``, ``"seqio:TASK"``.
 * ``DataConfig.tokenizer``: ``"byte"`` (default; vocab 256, PAD=0, EOS=255) or
   ``"sentencepiece"`` (PAD=0, EOS=1, UNK=2), with ``DataConfig.vocab_size`` (1024),
-  ``DataConfig.spm_model_type`` ("unigram"), ``DataConfig.cache_dir`` (None → $SONEW_PAX_CACHE or
-  ~/.cache/sonew_pax).
+  ``DataConfig.spm_model_type`` ("unigram"), ``DataConfig.spm_sample_chars`` (1e6),
+  ``DataConfig.cache_dir`` (None → $SONEW_PAX_CACHE or ~/.cache/sonew_pax).
 * ``DataConfig.eval_fraction`` (0.05): held-out tail of every document.
 * ``DataConfig.seqio_train_split`` / ``seqio_eval_split`` / ``seqio_feature``
   ("train" / "validation" / "targets").

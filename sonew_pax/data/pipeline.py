@@ -37,6 +37,7 @@ class DataConfig:
       tokenizer: ``"byte"`` (vocab 256) or ``"sentencepiece"`` (trained on the train split).
       vocab_size: the SentencePiece vocabulary size (ignored for bytes and seqio).
       spm_model_type: ``"unigram"`` or ``"bpe"``.
+      spm_sample_chars: size of the deterministic text sample SentencePiece is trained on.
       cache_dir: where trained SentencePiece models are cached; None → `default_cache_dir()`.
       eval_fraction: the held-out tail of every document (text sources).
       seqio_train_split, seqio_eval_split, seqio_feature: what a seqio task is read from.
@@ -46,6 +47,7 @@ class DataConfig:
     tokenizer: str = "byte"
     vocab_size: int = 1024
     spm_model_type: str = "unigram"
+    spm_sample_chars: int = 1_000_000
     cache_dir: str | None = None
     eval_fraction: float = 0.05
     seqio_train_split: str = "train"
@@ -77,6 +79,7 @@ def get_tokenizer(config: DataConfig) -> tokenizers.Tokenizer:
             config.cache_dir or tokenizers.default_cache_dir(),
             vocab_size=config.vocab_size,
             model_type=config.spm_model_type,
+            max_chars=config.spm_sample_chars,
         )
         return tokenizers.SentencePieceTokenizer(path)
     raise ValueError(f"unknown tokenizer {config.tokenizer!r}; expected 'byte' or 'sentencepiece'")
