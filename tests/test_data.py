@@ -309,6 +309,8 @@ def test_missing_or_unknown_sources_fail_clearly(tmp_path):
         sources.load_documents(f"array_record:{tmp_path}/*.array_record")
     with pytest.raises(ValueError, match="unknown data source 'wikipedia'"):
         sources.load_documents("wikipedia")
+    with pytest.raises(ValueError, match="held-out split is empty"):
+        make_eval_batches(seq_len=8, batch_size=2, config=DataConfig(eval_fraction=0.0))
     with pytest.raises(ValueError, match="unknown tokenizer"):
         make_train_iterator(seq_len=8, batch_size=2, config=DataConfig(tokenizer="words"))
 

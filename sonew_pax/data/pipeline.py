@@ -155,6 +155,8 @@ def eval_batches(
     of weight 0, so every process gets the same number of batches and every example counts once.
     """
     local = local_batch_size(batch_size, process_count)
+    if len(examples) == 0:
+        raise ValueError("the held-out split is empty (is DataConfig.eval_fraction 0?)")
     count = -(-len(examples) // batch_size) * batch_size
     blank = packing.empty_example(examples.seq_len, examples.pad_id)
     padded = grain.MapDataset.range(count).map(
