@@ -1,0 +1,176 @@
+"""Gin-configurable optimizers and learning-rate schedules for the trainer.
+
+Every optimizer factory here has the same shape,
+``factory(learning_rate, *, mesh, param_specs) -> optax.GradientTransformation``, with its
+hyper-parameters bound in gin (``configs/optimizers/*.gin``). The trainer calls
+`make_optimizer` with the learning-rate schedule (which it also logs) once it knows the mesh and
+the parameter specs, because SONew's sharded update needs both; the others ignore them.
+`make_optimizer` adds global-norm gradient clipping in front.
+
+Weight decay is applied to matrices only (``ndim >= 2``): norm scales and biases are not decayed,
+as in most LM recipes.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import gin
+import jax
+import optax
+
+from sonew_pax import optim
+
+Schedule = Callable[[Any], Any]
+OptimizerFactory = Callable[..., optax.GradientTransformation]
+
+SCHEDULE_KINDS = ("cosine", "linear", "rsqrt", "constant")
+
+
+def _matrices_only(params: Any) -> Any:
+    """Weight-decay mask: True for parameters with two or more dimensions."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+@gin.configurable
+def learning_rate_schedule(
+    peak_value: float = gin.REQUIRED,
+    warmup_steps: int = 0,
+    decay: str = "cosine",
+    total_steps: int = gin.REQUIRED,
+    end_factor: float = 0.0,
+) -> Schedule:
+    """Linear warmup from 0 to ``peak_value`` over ``warmup_steps``, then a decay.
+
+    Args:
+      peak_value: the learning rate reached at the end of warmup.
+      warmup_steps: length of the linear warmup.
+      decay: "cosine" or "linear" (to ``end_factor * peak_value`` at ``total_steps``), "rsqrt"
+        (``peak * sqrt(warmup / step)``, the T5 inverse square root) or "constant".
+      total_steps: the run's length (bind to ``%TRAIN_STEPS``).
+      end_factor: final learning rate as a fraction of the peak, for cosine and linear.
+
+    Returns:
+      An optax schedule, step -> learning rate.
+    """
+    if decay not in SCHEDULE_KINDS:
+        raise ValueError(f"decay={decay!r}, expected one of {SCHEDULE_KINDS}")
+    if not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"warmup_steps={warmup_steps} must be in [0, total_steps={total_steps}]")
+    warmup = optax.linear_schedule(0.0, peak_value, max(warmup_steps, 1))
+    decay_steps = max(total_steps - warmup_steps, 1)
+    end_value = end_factor * peak_value
+    if decay == "cosine":
+        after = optax.cosine_decay_schedule(peak_value, decay_steps, alpha=end_factor)
+    elif decay == "linear":
+        after = optax.linear_schedule(peak_value, end_value, decay_steps)
+    elif decay == "rsqrt":
+        offset = max(warmup_steps, 1)
+
+        def after(step):
+            return peak_value * jax.numpy.sqrt(offset / (step + offset))
+    else:
+        after = optax.constant_schedule(peak_value)
+    if warmup_steps == 0:
+        return after
+    return optax.join_schedules([warmup, after], [warmup_steps])
+
+
+@gin.configurable
+def adamw(
+    learning_rate: Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-8,
+    weight_decay: float = 0.1,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformation:
+    """optax.adamw with decoupled weight decay on matrices (mesh and specs are unused)."""
+    del mesh, param_specs
+    return optax.adamw(
+        learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_matrices_only
+    )
+
+
+@gin.configurable
+def adafactor(
+    learning_rate: Schedule,
+    *,
+    factored: bool = True,
+    decay_rate: float = 0.8,
+    min_dim_size_to_factor: int = 128,
+    multiply_by_parameter_scale: bool = False,
+    clipping_threshold: float | None = 1.0,
+    momentum: float | None = None,
+    weight_decay: float = 0.0,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformation:
+    """optax.adafactor; ``factored=False`` keeps the full second moment (mesh, specs unused)."""
+    del mesh, param_specs
+    return optax.adafactor(
+        learning_rate,
+        factored=factored,
+        decay_rate=decay_rate,
+        min_dim_size_to_factor=min_dim_size_to_factor,
+        multiply_by_parameter_scale=multiply_by_parameter_scale,
+        clipping_threshold=clipping_threshold,
+        momentum=momentum,
+        weight_decay_rate=weight_decay or None,
+        weight_decay_mask=_matrices_only,
+    )
+
+
+@gin.configurable
+def sonew(
+    learning_rate: Schedule,
+    *,
+    band: int = 1,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = optim.DEFAULT_EPS,
+    gamma: float = optim.DEFAULT_GAMMA,
+    graft: str = "adam",
+    graft_eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    precondition_1d: bool = False,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformation:
+    """SONew (`sonew_pax.optim.sonew`): band 0 = diagonal, 1 = tridiagonal, 4 = banded.
+
+    The mesh and parameter specs let the update run sharded (halo exchange between shards) with
+    the state in each parameter's own layout.
+    """
+    return optim.sonew(
+        learning_rate,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        band=band,
+        gamma=gamma,
+        graft=graft,
+        graft_eps=graft_eps,
+        weight_decay=weight_decay,
+        mask=_matrices_only,
+        precondition_1d=precondition_1d,
+        mesh=mesh,
+        param_specs=param_specs,
+    )
+
+
+@gin.configurable
+def make_optimizer(
+    schedule: Schedule,
+    *,
+    factory: OptimizerFactory = gin.REQUIRED,
+    clip_norm: float | None = 1.0,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformation:
+    """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer."""
+    tx = factory(schedule, mesh=mesh, param_specs=param_specs)
+    if clip_norm is None:
+        return tx
+    return optax.chain(optax.clip_by_global_norm(clip_norm), tx)
