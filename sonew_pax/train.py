@@ -59,6 +59,11 @@ def _own_info_only(record: pylogging.LogRecord) -> bool:
     return record.levelno >= pylogging.WARNING or f"{PACKAGE_DIR}/" in record.pathname
 
 
+def quiet_library_logs() -> None:
+    """Installs `_own_info_only` on absl's log handler."""
+    logging.get_absl_handler().addFilter(_own_info_only)
+
+
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
     """Parses config files then bindings (unknown names are errors) and finalizes the config.
 
@@ -77,7 +82,7 @@ def main(argv: Sequence[str]) -> None:
     """absl entry point: distributed set-up, gin, then `train`."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.get_absl_handler().addFilter(_own_info_only)
+    quiet_library_logs()
     if FLAGS.process_count > 1:
         jax.distributed.initialize(
             coordinator_address=FLAGS.coordinator_address,
