@@ -34,9 +34,10 @@ Benchmark", tables (a) float32 and (b) bfloat16), mapped to optax / `sonew_pax.o
   hyperparameters for band-10: band-4's are used. No weight decay anywhere (the paper has none).
 
 bfloat16 variant (`--dtype bfloat16`): parameters, activations, gradients and the optax optimizers'
-states are bfloat16 (optax keeps states in the parameter dtype); the loss reduction is float32 and
-SONew keeps its statistics in float32 (`stats_dtype`, per the project's numerics rule). float32 runs
-use full-precision matmuls by default (`--matmul_precision highest`; the paper's V100 has no TF32).
+states are bfloat16 (optax initialises states in the parameter dtype; every step stores them back in
+their initial dtype); the loss reduction is float32 and SONew keeps its statistics in float32
+(`stats_dtype`, per the project's numerics rule). float32 runs use full-precision matmuls by default
+(`--matmul_precision highest`; the paper's V100 has no TF32).
 
 Speed: the data lives on the device and a whole epoch is one jitted `lax.scan`. Several runs of one
 optimizer (seeds via `--vmap_seeds`, or the lr × ε grid of `--sweep`) are `jax.vmap`ped into one
@@ -53,6 +54,7 @@ Usage: `python benchmarks/autoencoder.py --optimizers all [--dtype bfloat16] [--
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -254,7 +256,11 @@ class Trainer:
         return params, self._tx(hp).init(params)
 
     def _epoch(self, params, opt_state, hp: dict, epoch):
-        """One pass over a fresh permutation of the data; returns the mean minibatch loss."""
+        """One pass over a fresh permutation of the data; returns the mean minibatch loss.
+
+        Optimizer states keep their initial dtypes: traced (vmapped) float32 hyperparameters
+        would otherwise promote bfloat16 states to float32.
+        """
         tx = self._tx(hp)
         key = jax.random.fold_in(jax.random.PRNGKey(hp["seed"]), epoch)
         order = jax.random.permutation(key, self.data.shape[0])
@@ -263,8 +269,9 @@ class Trainer:
         def step(carry, idx):
             params, opt_state = carry
             loss, grads = jax.value_and_grad(loss_fn)(params, self.data[idx])
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return (optax.apply_updates(params, updates), opt_state), loss
+            updates, new_state = tx.update(grads, opt_state, params)
+            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
+            return (optax.apply_updates(params, updates), new_state), loss
 
         (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), batches)
         return params, opt_state, losses.mean()
@@ -449,6 +456,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_graft_eps", default="1e-8", help="SONew's Adam-graft ε: a number, or 'eps' (= ε)"
     )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: by dtype/sweep)")
+    p.add_argument(
+        "--append", action="store_true", help="keep the other optimizers' rows already in --out"
+    )
     args = p.parse_args(argv)
     args.optimizers = OPTIMIZERS if args.optimizers == "all" else args.optimizers.split(",")
     unknown = set(args.optimizers) - set(OPTIMIZERS)
@@ -458,27 +468,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def previous_rows(args, header: dict) -> list[dict]:
+    """With `--append`: the rows of the other optimizers already in `--out`.
+
+    The file must come from the same device and configuration.
+    """
+    if not (args.append and args.out.is_file()):
+        return []
+    previous = json.loads(args.out.read_text())
+    if (previous["device"], previous["config"]) != (header["device"], header["config"]):
+        raise SystemExit(f"--append: {args.out} has another device or configuration")
+    return [r for r in previous["rows"] if r["optimizer"] not in args.optimizers]
+
+
+def write_outputs(args, result: dict) -> None:
+    """The JSON, its markdown report and the loss-curve plot."""
+    common.write_json(args.out, result)
+    common.write_text(args.out.with_suffix(".md"), markdown_report(result))
+    plot_curves(result["rows"], args.out.with_suffix(".png"))
+
+
 def main(argv=None) -> dict:
-    """Runs the benchmark; writes the JSON, plot and markdown; returns the JSON object."""
+    """Runs the benchmark, writing the outputs after every optimizer; returns the JSON object."""
     args = parse_args(argv)
     data = jax.device_put(mnist_data.train_images(args.subset))
-    config = {k: v for k, v in vars(args).items() if k not in ("optimizers", "out")}
+    config = {k: v for k, v in vars(args).items() if k not in ("optimizers", "out", "append")}
     config["train_images"] = int(data.shape[0])
-    rows = []
+    result = {"device": common.device_name(), "date": common.utc_date(), "config": config}
+    result["rows"] = previous_rows(args, result)
     for name in args.optimizers:
         new_rows = run_optimizer(name, args, data, runs_for(name, args))
         print(common.format_table(new_rows, ROW_COLUMNS), flush=True)
-        rows += new_rows
-    result = {
-        "device": common.device_name(),
-        "date": common.utc_date(),
-        "config": config,
-        "rows": rows,
-    }
-    common.write_json(args.out, result)
-    common.write_text(args.out.with_suffix(".md"), markdown_report(result))
-    plot_curves(rows, args.out.with_suffix(".png"))
-    print(common.format_table(rows, ROW_COLUMNS))
+        result["rows"] = sorted(
+            result["rows"] + new_rows, key=lambda r: OPTIMIZERS.index(r["optimizer"])
+        )
+        result["date"] = common.utc_date()
+        write_outputs(args, result)
+    print(common.format_table(result["rows"], ROW_COLUMNS))
     print(f"wrote {args.out} (+ .md, .png)")
     return result
 
