@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sonew_pax import checkpoints, metrics, optimizers, partitioning, train_state
 from sonew_pax.models import Transformer, TransformerConfig
-from sonew_pax.train_state import StateLayout, TrainState
+from sonew_pax.train_state import TrainState
 
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
@@ -96,9 +96,15 @@ def make_eval_step(model: nn.Module) -> Callable[[Any, Batch], tuple[jax.Array, 
 
 
 class Trainer:
-    """Compiled train and eval steps for one model, optimizer and mesh.
+    """One model, optimizer and mesh: the state layout and the compiled train and eval steps.
+
+    Construction derives everything from shapes alone: parameter specs from the model's logical
+    axis names and ``rules`` (checked against the mesh), the optimizer (which may need the mesh
+    and specs), and the state layout. Nothing is allocated until `init_state` or a restore.
 
     Attributes:
+      layout: the `StateLayout` (abstract state, specs, shardings).
+      tx: the optimizer.
       train_step: jitted ``(state, batch) -> (state, metrics)``; the input state is donated, its
         shardings in and out are the layout's; metrics come back replicated.
       eval_step: jitted ``(params, batch) -> (loss sum, weight sum)``.
@@ -108,30 +114,52 @@ class Trainer:
     def __init__(
         self,
         model: nn.Module,
-        tx: optax.GradientTransformation,
+        optimizer: Callable[..., optax.GradientTransformation],
         schedule: Callable[[jax.Array], jax.Array],
-        layout: StateLayout,
         mesh: Mesh,
         rules: partitioning.Rules,
+        batch_shape: tuple[int, int],
         seed: int,
     ):
+        self.model = model
         self.mesh = mesh
         self.rules = rules
-        self.layout = layout
+        self.example = jax.ShapeDtypeStruct(batch_shape, jnp.int32)
+        with partitioning.axis_rules_context(mesh, rules):
+            boxed = train_state.abstract_boxed_params(model, self.example)
+        param_specs = partitioning.param_specs(boxed, rules)
+        partitioning.validate_specs(boxed, param_specs, mesh)
+        self.tx = optimizer(schedule, mesh=mesh, param_specs=param_specs)
+        self.layout = train_state.derive_layout(boxed, self.tx, param_specs, mesh)
         self.batch_sharding = partitioning.data_sharding(mesh, rules)
         batch_shardings = dict.fromkeys(BATCH_KEYS, self.batch_sharding)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.train_step = jax.jit(
-            make_train_step(model, tx, schedule, seed),
-            in_shardings=(layout.shardings, batch_shardings),
-            out_shardings=(layout.shardings, replicated),
+            make_train_step(model, self.tx, schedule, seed),
+            in_shardings=(self.layout.shardings, batch_shardings),
+            out_shardings=(self.layout.shardings, replicated),
             donate_argnums=0,
         )
         self.eval_step = jax.jit(
             make_eval_step(model),
-            in_shardings=(layout.shardings.params, batch_shardings),
+            in_shardings=(self.layout.shardings.params, batch_shardings),
             out_shardings=replicated,
         )
+
+    def abstract_batch(self) -> dict[str, jax.ShapeDtypeStruct]:
+        """Shapes, dtypes and shardings of one global batch (for ``train_step.lower``)."""
+        dtypes = {"inputs": jnp.int32, "targets": jnp.int32, "weights": jnp.float32}
+        shape = self.example.shape
+        return {
+            key: jax.ShapeDtypeStruct(shape, dtypes[key], sharding=self.batch_sharding)
+            for key in BATCH_KEYS
+        }
+
+    def init_state(self, seed: int) -> TrainState:
+        """A fresh step-0 state, each array created directly in its shard."""
+        init = train_state.make_init_fn(self.model, self.tx, self.layout, self.example)
+        with partitioning.axis_rules_context(self.mesh, self.rules):
+            return init(jax.random.key(seed))
 
     def global_batch(self, local_batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """This host's rows of the batch -> global arrays sharded like ``batch_sharding``."""
@@ -175,6 +203,20 @@ def _write_text(path: pathlib.Path, text: str) -> None:
 def _due(step: int, period: int, last_step: int) -> bool:
     """Whether a ``period``-ic action falls on ``step`` (always on the last step)."""
     return step == last_step or (period > 0 and step % period == 0)
+
+
+def _restore_or_init(
+    step_fns: Trainer, ckpts: checkpoints.Checkpoints, batches: Any, seed: int
+) -> TrainState:
+    """The newest restorable checkpoint (moving ``batches`` to its position), else a new state."""
+    restored = ckpts.restore_latest(step_fns.layout.abstract_with_shardings())
+    if restored is None:
+        logging.info("Initialising a new run in %s", ckpts.model_dir)
+        return step_fns.init_state(seed)
+    state, data_state = restored
+    batches.set_state(data_state)
+    logging.info("Resumed %s from step %d", ckpts.model_dir, int(state.step))
+    return state
 
 
 def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:
@@ -234,10 +276,6 @@ def train(
     with stop.installed():
         model_dir_path = pathlib.Path(model_dir)
         model_dir_path.mkdir(parents=True, exist_ok=True)
-        mesh = partitioning.make_mesh() if mesh is None else mesh
-        rules = partitioning.logical_axis_rules()
-        model = Transformer(model_config)
-        example = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
         data_args = {
             "seq_len": seq_len,
             "batch_size": batch_size,
@@ -247,26 +285,19 @@ def train(
         batches = train_data(seed=seed, **data_args)
         _check_vocab(model_config, batches)
         eval_batches = None if eval_data is None else eval_data(**data_args)
-
-        with partitioning.axis_rules_context(mesh, rules):
-            boxed = train_state.abstract_boxed_params(model, example)
-            param_specs = partitioning.param_specs(boxed, rules)
-            partitioning.validate_specs(boxed, param_specs, mesh)
-            tx = optimizer(learning_rate, mesh=mesh, param_specs=param_specs)
-            layout = train_state.derive_layout(boxed, tx, param_specs, mesh)
-            step_fns = Trainer(model, tx, learning_rate, layout, mesh, rules, seed)
-            ckpts = checkpoints.Checkpoints(model_dir_path, keep=keep_checkpoints)
-            restored = ckpts.restore_latest(layout.abstract_with_shardings())
-            if restored is None:
-                state = train_state.make_init_fn(model, tx, layout, example)(jax.random.key(seed))
-                logging.info("Initialised a new run in %s", model_dir_path)
-            else:
-                state, data_state = restored
-                batches.set_state(data_state)
-                logging.info("Resumed %s from step %d", model_dir_path, int(state.step))
-
+        step_fns = Trainer(
+            Transformer(model_config),
+            optimizer,
+            learning_rate,
+            partitioning.make_mesh() if mesh is None else mesh,
+            partitioning.logical_axis_rules(),
+            (batch_size, seq_len),
+            seed,
+        )
+        ckpts = checkpoints.Checkpoints(model_dir_path, keep=keep_checkpoints)
+        state = _restore_or_init(step_fns, ckpts, batches, seed)
         _write_text(model_dir_path / "config.gin", gin.operative_config_str())
-        _write_text(model_dir_path / "model-info.txt", train_state.describe(layout))
+        _write_text(model_dir_path / "model-info.txt", train_state.describe(step_fns.layout))
 
         step = int(state.step)
         writer = metrics.MetricsWriter(
@@ -299,5 +330,3 @@ def train(
     if preempted:
         logging.warning("Stopped by preemption at step %d; rerun to resume.", step)
     return RunResult(step=step, loss=loss, preempted=preempted)
-
-
