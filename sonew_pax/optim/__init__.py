@@ -1,0 +1,22 @@
+"""SONew (Sparsified Online Newton) for optax: diag, tridiagonal and banded, shardable.
+
+Depends on jax and optax only.
+"""
+
+from sonew_pax.optim.sharding import state_partition_specs
+from sonew_pax.optim.sonew import (
+    DEFAULT_EPS,
+    DEFAULT_GAMMA,
+    ScaleBySONewState,
+    scale_by_sonew,
+    sonew,
+)
+
+__all__ = [
+    "DEFAULT_EPS",
+    "DEFAULT_GAMMA",
+    "ScaleBySONewState",
+    "scale_by_sonew",
+    "sonew",
+    "state_partition_specs",
+]

@@ -1,0 +1,145 @@
+"""The chain order of SONew, in the parameter's own layout.
+
+SONew preconditions each tensor with a banded matrix over a *chain* of its entries. The chain is the
+tensor in Fortran order (axis 0 fastest), i.e. ``x.T.reshape(-1)``: element ``(i0, i1, ...)`` is
+followed by ``(i0 + 1, i1, ...)``, and the last entry along axis 0 carries into the next index of
+axis 1, and so on. For a flax ``Dense`` kernel ``(in, out)`` the chain therefore runs along fan-in.
+
+Nothing here flattens or transposes. The only non-local operation SONew needs is :func:`shift`, the
+value ``k`` steps further along the chain (zero past either end), computed with slices and
+concatenations in the parameter's layout. When a tensor is sharded (``ChainLayout.axes``), the same
+function runs inside ``jax.shard_map`` on the local block and fetches the thin slabs it needs from
+the neighbouring shards with ``ppermute`` (a *halo*), so sharded and unsharded results are equal.
+Reductions (:func:`chain_sum`, :func:`chain_max`) are local sums followed by ``psum``/``pmax``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+MeshAxes = tuple[str, ...]
+
+
+class ChainLayout(NamedTuple):
+    """Where one tensor's chain lives.
+
+    Attributes:
+      shape: the tensor's global shape.
+      axes: for every dimension, the mesh axes it is sharded over (``()`` when unsharded).
+      shards: for every dimension, the number of shards (product of the sizes of ``axes``).
+    """
+
+    shape: tuple[int, ...]
+    axes: tuple[MeshAxes, ...]
+    shards: tuple[int, ...]
+
+    @classmethod
+    def unsharded(cls, shape: tuple[int, ...]) -> ChainLayout:
+        """The layout of a tensor that lives whole on one device."""
+        return cls(tuple(shape), ((),) * len(shape), (1,) * len(shape))
+
+    @property
+    def mesh_axes(self) -> MeshAxes:
+        """All mesh axes the tensor is sharded over (reductions run over these)."""
+        return tuple(a for dim_axes in self.axes for a in dim_axes)
+
+
+def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
+    """Returns ``y`` with ``y[i] = x[i + k]`` along the chain (zero where ``i + k`` is off it).
+
+    ``x`` may carry leading batch axes in front of the tensor's own axes (e.g. the stacked band
+    axis of the off-diagonal statistics); they are shifted independently.
+
+    Args:
+      x: the (local block of the) tensor, shape ``(*batch, *local_shape)``.
+      k: the step along the chain, positive (successors) or negative (predecessors).
+      layout: the tensor's :class:`ChainLayout`.
+    """
+    return _shift(x, k, layout, 0)
+
+
+def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> jax.Array:
+    """Shift by ``k`` in the Fortran order of tensor axes ``a, a+1, ...`` (earlier ones are batch).
+
+    With ``N`` the global size of axis ``a`` and ``k = q N + t`` (``0 <= t < N``), row ``i`` of the
+    result is row ``i + t`` of the rest-axes shift by ``q`` while ``i + t < N``, and otherwise row
+    ``i + t - N`` of the rest-axes shift by ``q + 1`` (the carry).
+    """
+    if k == 0:
+        return x
+    rank = len(layout.shape)
+    if a == rank:
+        return jnp.zeros_like(x)
+    axis = x.ndim - rank + a
+    n = layout.shape[a]
+    q, t = divmod(k, n)
+    if t == 0:
+        return _shift(x, q, layout, a + 1)
+    if layout.shards[a] == 1:
+        head = _shift(lax.slice_in_dim(x, t, n, axis=axis), q, layout, a + 1)
+        tail = _shift(lax.slice_in_dim(x, 0, t, axis=axis), q + 1, layout, a + 1)
+        return jnp.concatenate([head, tail], axis=axis)
+    return _shift_sharded_axis(x, q, t, layout, a, axis)
+
+
+def _shift_sharded_axis(
+    x: jax.Array, q: int, t: int, layout: ChainLayout, a: int, axis: int
+) -> jax.Array:
+    """:func:`_shift` along an axis split into ``P`` shards of ``l`` rows (inside ``shard_map``).
+
+    Write ``t = u l + v`` (``0 <= v < l``). Local rows ``[0, l - v)`` come from rows ``[v, l)`` of
+    shard ``s + u`` and rows ``[l - v, l)`` from rows ``[0, v)`` of shard ``s + u + 1`` (indices
+    mod ``P``). A piece fetched from shard ``s + w`` has wrapped past the end of the axis, and so
+    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``.
+    """
+    num_shards = layout.shards[a]
+    names = layout.axes[a]
+    rows = x.shape[axis]
+    u, v = divmod(t, rows)
+    index = lax.axis_index(names)
+
+    def piece(start: int, stop: int, w: int) -> jax.Array:
+        block = lax.slice_in_dim(x, start, stop, axis=axis)
+        plain = _shift(block, q, layout, a + 1) if w < num_shards else None
+        carried = _shift(block, q + 1, layout, a + 1) if w > 0 else None
+        fetch = lambda y: _fetch_from(y, w % num_shards, names, num_shards)  # noqa: E731
+        if carried is None:
+            return fetch(plain)
+        if plain is None:
+            return fetch(carried)
+        return jnp.where(index + w < num_shards, fetch(plain), fetch(carried))
+
+    if v == 0:
+        return piece(0, rows, u)
+    return jnp.concatenate([piece(v, rows, u), piece(0, v, u + 1)], axis=axis)
+
+
+def _fetch_from(y: jax.Array, offset: int, names: MeshAxes, num_shards: int) -> jax.Array:
+    """Every shard ``s`` receives ``y`` from shard ``(s + offset) mod P`` (a collective-permute)."""
+    if offset == 0:
+        return y
+    perm = [((d + offset) % num_shards, d) for d in range(num_shards)]
+    return lax.ppermute(y, names, perm)
+
+
+def chain_sum(x: jax.Array, layout: ChainLayout) -> jax.Array:
+    """Sum of all entries of the (global) tensor: local sum, then ``psum`` over its mesh axes."""
+    total = jnp.sum(x)
+    return lax.psum(total, layout.mesh_axes) if layout.mesh_axes else total
+
+
+def chain_max(x: jax.Array, layout: ChainLayout) -> jax.Array:
+    """Max of all entries of the (global) tensor: local max, then ``pmax`` over its mesh axes."""
+    top = jnp.max(x)
+    return lax.pmax(top, layout.mesh_axes) if layout.mesh_axes else top
+
+
+def norm(x: jax.Array, layout: ChainLayout) -> jax.Array:
+    """Euclidean norm safe from underflow and overflow: ``M * ||x / M||`` with ``M = max|x|``."""
+    scale = chain_max(jnp.abs(x), layout)
+    safe = jnp.where(scale > 0, scale, 1.0)
+    return scale * jnp.sqrt(chain_sum(jnp.square(x / safe), layout))

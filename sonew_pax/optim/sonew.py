@@ -1,0 +1,289 @@
+"""SONew as optax transformations: :func:`scale_by_sonew` and the full optimizer :func:`sonew`.
+
+Per tensor with gradient ``g`` at step ``t`` (paper Algorithm 1 with the authors' exponential
+moving averages, bias correction and Adam grafting):
+
+    m   <- b1 m + (1 - b1) g                      first moment
+    d   <- b2 d + (1 - b2) g^2                    diagonal of H (also Adam's second moment)
+    e_k <- b2 e_k + (1 - b2) g * g_{+k}           k-th off-diagonal of H, k = 1..band
+    H    = banded(d / (1 - b2^t) + eps,  e / (1 - b2^t))
+    X    = L D L^T = argmin -log det X + Tr(X H)  over band-``band`` matrices (Theorem 2, Alg. 3)
+    u    = X m / (1 - b1^t)
+    a    = m_hat / (sqrt(d_hat) + graft_eps)      Adam direction
+    u   <- u ||a|| / ||u||                        per-tensor grafting (``graft="adam"``)
+
+``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see ``chain.py``).
+Every state array has its parameter's shape (the off-diagonals are stacked on a leading ``band``
+axis), so the state is sharded exactly like the parameters; with ``mesh`` and ``param_specs`` the
+update runs under ``jax.shard_map`` and equals the unsharded update.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from sonew_pax.optim import solve
+from sonew_pax.optim.chain import ChainLayout, norm, shift
+
+GRAFTS = ("adam", "none")
+# Defaults. ``eps`` is an absolute damping added to the bias-corrected diagonal: small enough to
+# leave real curvature alone (it is ~1e-5 on Adam's sqrt scale), large enough to keep coordinates
+# with no gradient well defined. ``gamma`` is the relative Schur-complement tolerance of Algorithm
+# 3: ``1 - rho^2 <= 1e-4`` (|correlation| > 0.99995) is within ~1e3 float32 roundings of zero, so
+# such edges are dropped rather than trusted.
+DEFAULT_EPS = 1e-10
+DEFAULT_GAMMA = 1e-4
+
+
+class ScaleBySONewState(NamedTuple):
+    """State of :func:`scale_by_sonew`; every array has its parameter's layout.
+
+    Attributes:
+      count: number of updates so far (int32 scalar).
+      m: first moment of the gradients.
+      d: diagonal of ``H`` (second moment of the gradients).
+      e: ``(band, *shape)``: ``e[k-1]`` at element ``i`` is the moment of ``g_i g_{i+k}``;
+        ``optax.MaskedNode()`` for tensors that are not preconditioned (or ``band == 0``).
+    """
+
+    count: chex.Array
+    m: optax.Updates
+    d: optax.Updates
+    e: optax.Updates
+
+
+class _Hyper(NamedTuple):
+    """Hyperparameters of one step: numbers (arrays under ``inject_hyperparams``) and flags."""
+
+    b1: Any
+    b2: Any
+    eps: Any
+    gamma: Any
+    graft_eps: Any
+    graft: str
+    precondition_1d: bool
+
+
+def _check_fraction(name: str, value: Any) -> None:
+    if isinstance(value, numbers.Real) and not 0.0 <= float(value) < 1.0:
+        raise ValueError(f"{name} must lie in [0, 1), got {value!r}.")
+
+
+def _check_nonnegative(name: str, value: Any) -> None:
+    if isinstance(value, numbers.Real) and not float(value) >= 0.0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}.")
+
+
+def _validate(band: Any, hyper: _Hyper, mesh: Any, param_specs: Any) -> None:
+    """Raises ``ValueError`` naming the offending argument."""
+    if isinstance(band, bool) or not isinstance(band, numbers.Integral):
+        raise ValueError(
+            f"band must be a Python int (0 diag, 1 tridiag, b banded), got {band!r}. With "
+            "optax.inject_hyperparams pass static_args=('band',)."
+        )
+    if band < 0:
+        raise ValueError(f"band must be >= 0 (0 diag, 1 tridiag, b banded), got {band}.")
+    if hyper.graft not in GRAFTS:
+        raise ValueError(f"graft must be one of {GRAFTS}, got {hyper.graft!r}.")
+    _check_fraction("b1", hyper.b1)
+    _check_fraction("b2", hyper.b2)
+    for name in ("eps", "gamma", "graft_eps"):
+        _check_nonnegative(name, getattr(hyper, name))
+    if (mesh is None) != (param_specs is None):
+        raise ValueError("mesh and param_specs must be given together (or both left None).")
+
+
+def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
+    return ndim >= 2 or precondition_1d
+
+
+def _graft_ratio(target: jax.Array, direction: jax.Array, layout: ChainLayout) -> jax.Array:
+    """``||target|| / ||direction||`` (0 when ``direction`` is 0), in a scale-safe norm."""
+    num, den = norm(target, layout), norm(direction, layout)
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
+
+
+def _leaf_update(
+    g: jax.Array,
+    m: jax.Array,
+    d: jax.Array,
+    e: Any,
+    corrections: tuple[jax.Array, jax.Array],
+    hyper: _Hyper,
+    layout: ChainLayout,
+) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+    """One tensor's SONew step (module docstring); returns ``(u, m, d, e)``."""
+    bc1, bc2 = corrections
+    gs = g.astype(m.dtype)
+    m = hyper.b1 * m + (1 - hyper.b1) * gs
+    d = hyper.b2 * d + (1 - hyper.b2) * jnp.square(gs)
+    m_hat, d_hat = m / bc1, d / bc2
+    adam = m_hat / (jnp.sqrt(d_hat) + hyper.graft_eps)
+    if not _preconditioned(len(layout.shape), hyper.precondition_1d):
+        return adam.astype(g.dtype), m, d, e
+    band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
+    if band:
+        successors = jnp.stack([shift(gs, k, layout) for k in range(1, band + 1)])
+        e = hyper.b2 * e + (1 - hyper.b2) * gs * successors
+        e_hat = e / bc2
+    else:
+        e_hat = jnp.zeros((0, *gs.shape), gs.dtype)
+    factor = solve.factorize(d_hat + hyper.eps, e_hat, hyper.gamma, layout)
+    u = solve.apply(factor, m_hat, layout)
+    if hyper.graft == "adam":
+        u = u * _graft_ratio(adam, u, layout)
+    return u.astype(g.dtype), m, d, e
+
+
+def scale_by_sonew(
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = DEFAULT_EPS,
+    band: int = 1,
+    gamma: float = DEFAULT_GAMMA,
+    graft: str = "adam",
+    graft_eps: float = 1e-8,
+    precondition_1d: bool = False,
+    stats_dtype: Any = jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
+
+    Args:
+      b1: decay of the first moment ``m``.
+      b2: decay of the banded second-moment statistics ``d`` and ``e``.
+      eps: absolute damping added to the bias-corrected diagonal of ``H``.
+      band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2).
+      gamma: Algorithm 3's tolerance: the chain is cut after vertex ``j`` when its Schur
+        complement is ``<= gamma * H_jj`` (or undefined / not finite).
+      graft: ``"adam"`` rescales each tensor's direction to the norm of Adam's; ``"none"``.
+      graft_eps: epsilon of the Adam direction used for grafting.
+      precondition_1d: precondition tensors with fewer than 2 dimensions too (otherwise they take
+        the Adam direction).
+      stats_dtype: dtype of ``m``, ``d`` and ``e`` (float32 even for bf16 parameters).
+      mesh: a ``jax.sharding.Mesh``; with ``param_specs``, run the update under ``shard_map``.
+      param_specs: a pytree of ``PartitionSpec`` matching the parameters.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``.
+    """
+    hyper = _Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
+    _validate(band, hyper, mesh, param_specs)
+
+    def init_fn(params: optax.Params) -> ScaleBySONewState:
+        def off_diagonals(p: jax.Array) -> Any:
+            if band == 0 or not _preconditioned(jnp.ndim(p), precondition_1d):
+                return optax.MaskedNode()
+            return jnp.zeros((band, *jnp.shape(p)), stats_dtype)
+
+        zeros = lambda p: jnp.zeros(jnp.shape(p), stats_dtype)  # noqa: E731
+        return ScaleBySONewState(
+            count=jnp.zeros([], jnp.int32),
+            m=jax.tree.map(zeros, params),
+            d=jax.tree.map(zeros, params),
+            e=jax.tree.map(off_diagonals, params),
+        )
+
+    def update_fn(
+        updates: optax.Updates,
+        state: ScaleBySONewState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, ScaleBySONewState]:
+        del params, extra_args
+        count = optax.safe_int32_increment(state.count)
+        t = count.astype(stats_dtype)
+        corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
+        step = _make_step(hyper, mesh, param_specs)
+        u, m, d, e = step(updates, state.m, state.d, state.e, corrections)
+        return u, ScaleBySONewState(count, m, d, e)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _make_step(hyper: _Hyper, mesh: Any, param_specs: Any) -> Callable:
+    """The whole-tree step ``(updates, m, d, e, corrections) -> (u, m, d, e)``."""
+
+    def tree_step(updates, m, d, e, corrections, layouts):
+        flat = jax.tree.map(
+            lambda g, mi, di, ei, lay: _leaf_update(g, mi, di, ei, corrections, hyper, lay),
+            updates,
+            m,
+            d,
+            e,
+            layouts,
+            is_leaf=lambda x: isinstance(x, ChainLayout),
+        )
+        treedef = jax.tree.structure(updates)
+        parts = treedef.flatten_up_to(flat)
+        return tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(4))
+
+    if mesh is None:
+
+        def step(updates, m, d, e, corrections):
+            layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
+            return tree_step(updates, m, d, e, corrections, layouts)
+
+        return step
+
+    from sonew_pax.optim import sharding  # local import: sharding imports this module's state
+
+    return sharding.sharded_step(tree_step, mesh, param_specs)
+
+
+def sonew(
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = DEFAULT_EPS,
+    band: int = 1,
+    gamma: float = DEFAULT_GAMMA,
+    graft: str = "adam",
+    graft_eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mask: Any = None,
+    precondition_1d: bool = False,
+    stats_dtype: Any = jnp.float32,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
+
+    ``u`` is :func:`scale_by_sonew`'s grafted direction; weight decay is decoupled (as in AdamW)
+    and ``mask`` selects the parameters it applies to, like ``optax.adamw``'s mask. All other
+    arguments are those of :func:`scale_by_sonew`; ``learning_rate`` is a float or a schedule.
+
+    Example::
+
+        tx = sonew_pax.optim.sonew(1e-3, band=1, weight_decay=0.1)
+        opt_state = tx.init(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+    """
+    _check_nonnegative("weight_decay", weight_decay)
+    return optax.chain(
+        scale_by_sonew(
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            band=band,
+            gamma=gamma,
+            graft=graft,
+            graft_eps=graft_eps,
+            precondition_1d=precondition_1d,
+            stats_dtype=stats_dtype,
+            mesh=mesh,
+            param_specs=param_specs,
+        ),
+        optax.add_decayed_weights(weight_decay, mask),
+        optax.scale_by_learning_rate(learning_rate),
+    )
