@@ -318,12 +318,13 @@ def train(
             if progress.due(step):
                 loss = float(step_metrics["loss"])
                 progress.log(step, loss)
+                writer.flush()
             preempted = stop.received or ckpts.reached_preemption(step)
             if preempted or _due(step, checkpoint_period, train_steps):
+                writer.write(*pending)  # the log on disk reaches at least the checkpoint
+                writer.flush()
+                loss, pending = float(pending[1]["loss"]), None
                 ckpts.save(state, batches.get_state())
-        if pending is not None:
-            writer.write(*pending)
-            loss = float(pending[1]["loss"])
         writer.close()
         ckpts.close()
     _write_text(model_dir_path / "config.gin", gin.operative_config_str())

@@ -1,0 +1,139 @@
+"""Checkpoints on disk: round trip onto other meshes, never overwriting, keep limit, corrupt
+checkpoints falling back to the previous one (kept, renamed aside), and the metrics log."""
+
+import json
+import logging
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sonew_pax import checkpoints, metrics, partitioning
+from sonew_pax.train_state import TrainState
+
+SPECS = TrainState(
+    step=PartitionSpec(),
+    params={"w": PartitionSpec("data", "model"), "b": PartitionSpec()},
+    opt_state=(PartitionSpec(), {"w": PartitionSpec(None, "data", "model")}),
+)
+
+
+def _target(mesh) -> TrainState:
+    shapes = TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params={
+            "w": jax.ShapeDtypeStruct((8, 8), jnp.float32),
+            "b": jax.ShapeDtypeStruct((3,), jnp.float32),
+        },
+        opt_state=(
+            jax.ShapeDtypeStruct((), jnp.int32),
+            {"w": jax.ShapeDtypeStruct((2, 8, 8), jnp.float32)},
+        ),
+    )
+    return jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        shapes,
+        SPECS,
+        is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct),
+    )
+
+
+def _state(step: int, mesh) -> TrainState:
+    """A small state whose values depend on ``step``, placed per SPECS on ``mesh``."""
+    values = TrainState(
+        step=jnp.int32(step),
+        params={"w": jnp.arange(64.0).reshape(8, 8) + step, "b": jnp.ones(3) * step},
+        opt_state=(jnp.int32(step), {"w": jnp.full((2, 8, 8), float(step))}),
+    )
+    return jax.tree.map(lambda x, t: jax.device_put(x, t.sharding), values, _target(mesh))
+
+
+def _assert_same(a: TrainState, b: TrainState) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.fixture
+def mesh_2x4():
+    return partitioning.make_mesh(data=2, model=4)
+
+
+@pytest.mark.parametrize("shape", [(4, 2), (1, 1)], ids=["4x2", "1-device"])
+def test_restore_onto_another_mesh(tmp_path, mesh_2x4, shape):
+    ckpts = checkpoints.Checkpoints(tmp_path, keep=None)
+    ckpts.save(_state(5, mesh_2x4), {"step": 5})
+    ckpts.close()
+    devices = jax.devices()[: shape[0] * shape[1]]
+    other = partitioning.make_mesh(data=shape[0], model=shape[1], devices=devices)
+    state, data = checkpoints.Checkpoints(tmp_path).restore_latest(_target(other))
+    assert data == {"step": 5}
+    _assert_same(state, _state(5, other))
+    assert state.params["w"].sharding.is_equivalent_to(NamedSharding(other, SPECS.params["w"]), 2)
+
+
+def test_no_checkpoint_restores_none(tmp_path, mesh_2x4):
+    assert checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4)) is None
+
+
+def test_never_overwrites_and_keeps_the_newest(tmp_path, mesh_2x4):
+    ckpts = checkpoints.Checkpoints(tmp_path, keep=2)
+    for step in (1, 2, 3):
+        assert ckpts.save(_state(step, mesh_2x4), {"step": step})
+    assert not ckpts.save(_state(3, mesh_2x4), {"step": -1})
+    ckpts.close()
+    assert checkpoints.Checkpoints(tmp_path).steps() == [2, 3]
+    _, data = checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
+    assert data == {"step": 3}  # the second save of step 3 did not replace the first
+
+
+def _corrupt(path: pathlib.Path) -> None:
+    """Truncates every array data file of a checkpoint (what a torn write could leave)."""
+    for file in (path / "state").rglob("*"):
+        if file.is_file() and file.parent.name == "d":
+            file.write_bytes(b"")
+
+
+def test_corrupt_latest_falls_back_and_is_kept(tmp_path, mesh_2x4, caplog):
+    ckpts = checkpoints.Checkpoints(tmp_path)
+    for step in (4, 8):
+        ckpts.save(_state(step, mesh_2x4), {"step": step})
+    ckpts.close()
+    _corrupt(tmp_path / "checkpoint_8")
+    with caplog.at_level(logging.WARNING):
+        state, data = checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
+    assert data == {"step": 4}
+    _assert_same(state, _state(4, mesh_2x4))
+    assert any(str(tmp_path / "checkpoint_8") in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "checkpoint_8.corrupt" / "state").is_dir()  # renamed aside, not deleted
+    assert checkpoints.Checkpoints(tmp_path).steps() == [4]
+
+
+def test_no_restorable_checkpoint_is_an_error(tmp_path, mesh_2x4):
+    ckpts = checkpoints.Checkpoints(tmp_path)
+    ckpts.save(_state(3, mesh_2x4), {"step": 3})
+    ckpts.close()
+    _corrupt(tmp_path / "checkpoint_3")
+    with pytest.raises(RuntimeError, match="checkpoint_3"):
+        checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
+    assert (tmp_path / "checkpoint_3").is_dir()  # a config error must not rename anything
+
+
+def test_truncate_jsonl_drops_lines_after_the_checkpoint(tmp_path):
+    path = tmp_path / metrics.METRICS_FILE
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) for s in range(1, 8)]
+    path.write_text("\n".join(lines) + '\n{"step": 8, "lo')  # torn last line
+    metrics.truncate_jsonl(path, 5)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+
+
+def test_progress_line_and_durations():
+    progress = metrics.Progress(total_steps=100, tokens_per_step=1000, every=10)
+    assert progress.due(10) and progress.due(100) and not progress.due(11)
+    line = progress.line(10, 2.5)
+    for part in ("step 10/100", "loss 2.5000", "steps/s", "tokens/s", "ETA"):
+        assert part in line
+    assert metrics.format_duration(3725) == "1h02m05s"
+    assert metrics.format_duration(65) == "1m05s"
