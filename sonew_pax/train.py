@@ -7,7 +7,8 @@ r"""Pretrain a decoder-only LM, the T5X way: gin files, ``--gin.X=Y`` overrides,
 Flags: ``--gin_file`` (repeatable; looked up in ``--gin_search_paths``, which always end with
 this repository's ``configs/``), ``--gin_bindings`` (repeatable), ``--gin.NAME=VALUE`` (rewritten
 to the binding ``NAME = VALUE``), and ``--coordinator_address``/``--process_count``/
-``--process_index`` for multi-process runs.
+``--process_index`` for multi-process runs (also read from the environment, e.g. SLURM; on Cloud
+TPU they are auto-detected: see `sonew_pax.distributed`).
 
 What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-info.txt``
 (parameter and optimizer-state shapes, specs and counts), ``checkpoint_<step>/``,
@@ -21,10 +22,9 @@ import sys
 from collections.abc import Sequence
 
 import gin
-import jax
 from absl import app, flags, logging
 
-from sonew_pax import trainer
+from sonew_pax import distributed, trainer
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 CONFIGS_DIR = PACKAGE_DIR.parent / "configs"
@@ -34,8 +34,11 @@ flags.DEFINE_multi_string("gin_file", [], "Gin config files, parsed in order.")
 flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings, applied after the files.")
 flags.DEFINE_list("gin_search_paths", ["."], "Directories searched for --gin_file and includes.")
 flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (multi-process runs).")
-flags.DEFINE_integer("process_count", 1, "Number of processes in the run.")
-flags.DEFINE_integer("process_index", 0, "This process's index, in [0, process_count).")
+flags.DEFINE_integer("process_count", None, "Number of processes (default: environment, or 1).")
+flags.DEFINE_integer("process_index", None, "This process's index, in [0, process_count).")
+flags.DEFINE_integer(
+    "distributed_timeout_s", None, "Seconds to wait for all processes to join (default 300)."
+)
 
 
 def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
@@ -83,12 +86,12 @@ def main(argv: Sequence[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     quiet_library_logs()
-    if FLAGS.process_count > 1:
-        jax.distributed.initialize(
-            coordinator_address=FLAGS.coordinator_address,
-            num_processes=FLAGS.process_count,
-            process_id=FLAGS.process_index,
-        )
+    distributed.initialize(
+        FLAGS.coordinator_address,
+        FLAGS.process_count,
+        FLAGS.process_index,
+        timeout_s=FLAGS.distributed_timeout_s,
+    )
     parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.gin_search_paths)
     result = trainer.train()
     logging.info("Finished at step %d (loss %s).", result.step, result.loss)
