@@ -3,7 +3,9 @@
 import datetime
 import json
 import os
-from collections.abc import Sequence
+import statistics
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -55,3 +57,19 @@ def format_table(rows: Sequence[dict], columns: Sequence[str], markdown: bool = 
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines) + "\n"
+
+
+def time_steps(step: Callable, carry, warmup: int, iters: int) -> tuple[float, list[float], object]:
+    """Times ``carry = step(carry)`` (a jitted, donating step): median ms, every run's ms, carry.
+
+    ``warmup`` untimed calls first (compilation, allocator), then ``iters`` calls each timed on the
+    host clock around the call and ``jax.block_until_ready`` of its result.
+    """
+    for _ in range(warmup):
+        carry = jax.block_until_ready(step(carry))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        carry = jax.block_until_ready(step(carry))
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times), times, carry

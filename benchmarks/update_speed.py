@@ -1,0 +1,183 @@
+"""Speed of one optimizer update on ~335M LM-shaped parameters: SONew against optax.adamw.
+
+What is timed: ``params, state = update(params, state, grads)`` where ``update`` is
+``optax.apply_updates(params, tx.update(grads, state, params))`` in one jitted function whose
+params and optimizer state are donated (updated in place). After ``--warmup`` untimed steps, each of
+``--iters`` steps is timed to ``block_until_ready``; the median is reported.
+
+The update is memory-bound, so each optimizer's floor is the bytes it must move through device
+memory: read g, p and every state array, write p and every state array (fp32: AdamW 28 B/param,
+diag-SONew 28, tridiag 36, band-b 28 + 8b; bf16 momentum and off-diagonals bring tridiag to 28).
+``copy`` is ``x -> x * s`` (``s`` = 1 at run time, so nothing folds away) over AdamW's byte count:
+its bandwidth is the practical ceiling, and ``floor_ratio`` = time / (floor bytes / copy bandwidth).
+
+Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
+``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
+"floor_ratio", "bytes_per_param", "ms_min"}]}``. ``sonew_tridiag_bf16`` appears only when
+``sonew_pax.optim.sonew`` accepts ``momentum_dtype``.
+
+Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
+"""
+
+import argparse
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import lm_shapes
+
+from sonew_pax import optim
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "update_speed.json"
+OPTIMIZERS = ("adamw", "sonew_diag", "sonew_tridiag", "sonew_band4", "sonew_tridiag_bf16")
+COLUMNS = ("optimizer", "ms", "ms_min", "ratio_vs_adamw", "gbps", "bytes_per_param",
+           "floor_ratio")
+# Names an off-diagonal dtype option might have; the first one sonew accepts is used.
+OFFDIAG_DTYPE_NAMES = ("offdiag_dtype", "off_diagonal_dtype", "e_dtype", "band_dtype")
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.1
+
+
+def bf16_state_kwargs() -> dict | None:
+    """sonew's keyword arguments for bf16 momentum and off-diagonals, or None if unsupported."""
+    accepted = inspect.signature(optim.sonew).parameters
+    if "momentum_dtype" not in accepted:
+        return None
+    kwargs = {"momentum_dtype": jnp.bfloat16}
+    for name in OFFDIAG_DTYPE_NAMES:
+        if name in accepted:
+            kwargs[name] = jnp.bfloat16
+            break
+    return kwargs
+
+
+def make_optimizer(name: str) -> optax.GradientTransformation | None:
+    """The optimizer called ``name`` (see OPTIMIZERS), or None when this sonew cannot build it."""
+    if name == "adamw":
+        return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY)
+    bands = {"sonew_diag": 0, "sonew_tridiag": 1, "sonew_band4": 4, "sonew_tridiag_bf16": 1}
+    extra = bf16_state_kwargs() if name.endswith("_bf16") else {}
+    if extra is None:
+        return None
+    return optim.sonew(LEARNING_RATE, band=bands[name], weight_decay=WEIGHT_DECAY, **extra)
+
+
+def make_update(tx: optax.GradientTransformation) -> Callable:
+    """Jitted ``(params, state, grads) -> (params, state)``, params and state donated."""
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return jax.jit(update, donate_argnums=(0, 1))
+
+
+def nbytes(tree) -> int:
+    """Bytes held by the arrays (or ShapeDtypeStructs) of a tree."""
+    return sum(leaf.size * jnp.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+def floor_bytes(params_shape, state_shape) -> int:
+    """Fewest bytes one update moves: read g, p, state; write p, state."""
+    return 3 * nbytes(params_shape) + 2 * nbytes(state_shape)
+
+
+def time_optimizer(tx, shapes, grads, args) -> tuple[float, float, int]:
+    """(median ms, min ms, floor bytes) of ``tx``'s donated update on fresh random parameters."""
+    params = lm_shapes.random_tree(shapes, jax.random.key(1))
+    state = jax.jit(tx.init)(params)
+    moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
+    update = make_update(tx)
+    median, times, _ = common.time_steps(
+        lambda c: update(*c, grads), (params, state), args.warmup, args.iters
+    )
+    return median, min(times), moved
+
+
+def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, float]:
+    """(median ms, min ms) of ``x -> x * s`` in place over fp32 buffers moving ``total_bytes``."""
+    elements = total_bytes // 8  # 4 bytes read + 4 written per element
+    sizes = [chunk] * (elements // chunk) + ([elements % chunk] if elements % chunk else [])
+    key = jax.random.key(2)
+    buffers = [jax.random.normal(jax.random.fold_in(key, i), (n,)) for i, n in enumerate(sizes)]
+    scale = jnp.float32(1.0)
+    copy = jax.jit(lambda xs, s: [x * s for x in xs], donate_argnums=0)
+    median, times, _ = common.time_steps(lambda xs: copy(xs, scale), buffers, args.warmup,
+                                         args.iters)
+    return median, min(times)
+
+
+def make_row(name: str, ms: float, ms_min: float, moved: int, n: int) -> dict:
+    """One table row before the ratios (filled in by `add_ratios`)."""
+    return {"optimizer": name, "ms": ms, "ms_min": ms_min, "gbps": moved / ms / 1e6,
+            "bytes_per_param": moved / n, "_bytes": moved}
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Fills ``ratio_vs_adamw`` and ``floor_ratio`` (against the copy's bandwidth)."""
+    by_name = {row["optimizer"]: row for row in rows}
+    adamw = by_name.get("adamw")
+    copy_gbps = by_name["copy"]["gbps"]
+    for row in rows:
+        moved = row.pop("_bytes")
+        row["ratio_vs_adamw"] = row["ms"] / adamw["ms"] if adamw else None
+        row["floor_ratio"] = row["ms"] / (moved / copy_gbps / 1e6)
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    lm_shapes.add_args(p)
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    p.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation included)")
+    p.add_argument("--iters", type=int, default=50, help="timed steps; the median is reported")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object."""
+    args = parse_args(argv)
+    names = [n for n in args.optimizers.split(",") if n]
+    unknown = set(names) - set(OPTIMIZERS)
+    if unknown:
+        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
+    shapes = lm_shapes.from_args(args)
+    n = lm_shapes.count(shapes)
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
+    copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
+    rows = [make_row("copy", *time_copy(copy_bytes, args), copy_bytes, n)]
+    for name in names:
+        tx = make_optimizer(name)
+        if tx is None:
+            print(f"skipping {name}: sonew has no momentum_dtype option", flush=True)
+            continue
+        ms, ms_min, moved = time_optimizer(tx, shapes, grads, args)
+        rows.append(make_row(name, ms, ms_min, moved, n))
+        print(f"{name}: {ms:.3f} ms", flush=True)
+    rows = add_ratios(rows)
+    result = {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "params": n,
+        "config": {"scale": args.scale, "layers": args.layers, "warmup": args.warmup,
+                   "iters": args.iters, "jax": jax.__version__},
+        "rows": rows,
+    }
+    print(f"\n{result['device']}, {n / 1e6:.1f}M parameters, median of {args.iters} steps\n")
+    print(common.format_table(rows, COLUMNS))
+    common.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
