@@ -1,0 +1,179 @@
+"""Multi-process training on 127.0.0.1: 2 processes x 2 CPU devices against 1 process x 4.
+
+One scenario, run once per session (module fixture), in separate interpreters:
+
+- ``reference``: 1 process x 4 devices, 5 steps.
+- ``multi``: 2 processes x 2 devices (``launch/local_multiprocess.sh``), 3 steps and one
+  checkpoint, then a second launch that resumes from it to step 4 (and writes checkpoint 4).
+- ``single``: a copy of ``multi``'s directory resumed by 1 process x 4 devices to step 5 (other
+  device counts are the trainer tests' business; here the point is one process reading shards
+  that two wrote).
+
+Parameters and optimizer state are sharded over the ``data`` axis (the ``embed`` rule set to
+"data", FSDP-style), so both processes hold and write real shards of every checkpoint. The
+learning-rate schedule's length is pinned so that runs of different lengths share it. A shared
+persistent compilation cache keeps the resumed launches from compiling again.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sonew_pax import distributed
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LAUNCHER = REPO / "launch" / "local_multiprocess.sh"
+TOLERANCE = 1e-5
+TRAIN_ARGS = (
+    "--gin_file=tiny.gin",
+    "--gin.BATCH_SIZE=8",
+    "--gin.SEQ_LEN=32",
+    "--gin.CHECKPOINT_PERIOD=100",
+    "--gin.train.eval_data=None",
+    "--gin.train.log_every=1",
+    "--gin.learning_rate_schedule.total_steps=5",
+    "--gin.learning_rate_schedule.warmup_steps=2",
+    "--gin.logical_axis_rules.overrides=[('embed', 'data')]",
+)
+
+pytestmark = pytest.mark.slow
+
+
+def _env(cache_dir: pathlib.Path, devices: int | None = None) -> dict[str, str]:
+    """The parent's environment for a training subprocess: CPU, a shared compilation cache, no
+    inherited process-group variables, and ``devices`` simulated devices when given."""
+    env = {k: v for k, v in os.environ.items() if k not in _PROCESS_GROUP_VARS}
+    env.update(
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(cache_dir),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        PYTHON=sys.executable,
+    )
+    if devices is not None:
+        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    return env
+
+
+_PROCESS_GROUP_VARS = {
+    "XLA_FLAGS",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    *distributed.COORDINATOR_VARS,
+    *distributed.PROCESS_COUNT_VARS,
+    *distributed.PROCESS_INDEX_VARS,
+}
+
+
+def _train_command(model_dir: pathlib.Path, steps: int) -> list[str]:
+    return [
+        sys.executable, "-m", "sonew_pax.train", *TRAIN_ARGS,
+        f'--gin.MODEL_DIR="{model_dir}"', f"--gin.TRAIN_STEPS={steps}",
+    ]
+
+
+def _run(command: list[str], env: dict[str, str], log: pathlib.Path) -> None:
+    """Runs ``command`` in the repository; fails the test with the log's tail if it fails."""
+    with log.open("w") as out:
+        result = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                timeout=400, check=False)
+    if result.returncode:
+        tail = "\n".join(log.read_text().splitlines()[-40:])
+        pytest.fail(f"{command[:4]} exited with {result.returncode}:\n{tail}")
+
+
+def train_single(model_dir, steps, devices, cache, log):
+    """One process with ``devices`` CPU devices."""
+    _run(_train_command(model_dir, steps), _env(cache, devices), log)
+
+
+def train_multi(model_dir, steps, cache, log):
+    """Two processes with two CPU devices each, through the launcher."""
+    env = _env(cache) | {"NUM_PROCESSES": "2", "DEVICES_PER_PROCESS": "2",
+                         "DISTRIBUTED_TIMEOUT_S": "120"}
+    _run(["bash", str(LAUNCHER), *_train_command(model_dir, steps)], env, log)
+
+
+def read_losses(model_dir: pathlib.Path) -> dict[int, float]:
+    """step -> loss from metrics.jsonl; a step logged twice is an error (two writers)."""
+    losses: dict[int, float] = {}
+    for line in (model_dir / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        assert record["step"] not in losses, f"step {record['step']} logged twice"
+        losses[record["step"]] = record["loss"]
+    return losses
+
+
+def checkpoint_steps(model_dir: pathlib.Path) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in model_dir.glob("checkpoint_*"))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Runs the scenario of the module docstring; returns the three run directories."""
+    root = tmp_path_factory.mktemp("multihost")
+    cache = root / "jax_cache"
+    dirs = {name: root / name for name in ("reference", "multi", "single")}
+    train_single(dirs["reference"], 5, 4, cache, root / "reference.log")
+    train_multi(dirs["multi"], 3, cache, root / "multi_1.log")
+    dirs["after_first_launch"] = root / "after_first_launch"
+    shutil.copytree(dirs["multi"], dirs["after_first_launch"])
+    train_multi(dirs["multi"], 4, cache, root / "multi_2.log")
+    shutil.copytree(dirs["multi"], dirs["single"])
+    train_single(dirs["single"], 5, 4, cache, root / "single.log")
+    dirs["logs"] = root
+    return dirs
+
+
+def test_two_processes_log_the_same_losses_as_one(runs):
+    reference = read_losses(runs["reference"])
+    multi = read_losses(runs["multi"])
+    assert sorted(multi) == [1, 2, 3, 4]
+    for step, loss in multi.items():
+        assert loss == pytest.approx(reference[step], abs=TOLERANCE), step
+
+
+def test_two_processes_write_one_checkpoint_and_resume_from_it(runs):
+    assert checkpoint_steps(runs["after_first_launch"]) == [3]
+    assert "Resumed" in (runs["logs"] / "multi_2.log").read_text()
+    assert checkpoint_steps(runs["multi"]) == [3, 4]
+
+
+def test_every_process_writes_its_shards(runs):
+    state = runs["multi"] / "checkpoint_4" / "state"
+    for process in (0, 1):
+        shards = state / f"ocdbt.process_{process}"
+        assert shards.is_dir() and any(p.is_file() for p in shards.rglob("*")), shards
+
+
+def test_only_process_zero_writes_metrics(runs):
+    read_losses(runs["multi"])  # one line per step: process 1 wrote none
+    assert len(list((runs["multi"] / "train").glob("events.out.tfevents.*"))) <= 2
+    log = (runs["logs"] / "multi_2.log").read_text()
+    assert "[process 1]" in log and "[process 0]" in log
+
+
+def test_checkpoint_of_two_processes_restores_in_one(runs):
+    reference = read_losses(runs["reference"])
+    single = read_losses(runs["single"])
+    assert "Resumed" in (runs["logs"] / "single.log").read_text()
+    assert sorted(single) == [1, 2, 3, 4, 5]
+    assert single[5] == pytest.approx(reference[5], abs=TOLERANCE)
+
+
+def test_a_missing_peer_fails_with_a_clear_message(tmp_path):
+    env = _env(tmp_path / "cache", 1) | {
+        "COORDINATOR_ADDRESS": "127.0.0.1:1",
+        "PROCESS_COUNT": "2",
+        "PROCESS_INDEX": "1",
+        "DISTRIBUTED_TIMEOUT_S": "2",
+    }
+    result = subprocess.run(_train_command(tmp_path / "run", 1), cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == distributed.TIMEOUT_EXIT_CODE, result.stderr[-2000:]
+    assert "process 1 of 2 timed out after 2 s" in result.stderr
+    assert "127.0.0.1:1" in result.stderr
