@@ -1,0 +1,248 @@
+"""Full train-step time and peak memory of a model config: SONew against AdamW and Adafactor.
+
+The step is the trainer's own: `sonew_pax.trainer.Trainer` on a one-device mesh builds the model
+from ``configs/models/<model>.gin`` (compute dtype from ``--dtype``, parameters float32), the
+optimizer through `sonew_pax.optimizers.make_optimizer` (global-norm clipping, then the optimizer,
+as in training; weight decay 0.1 on matrices; constant learning rate), and the jitted,
+state-donating train step (forward, backward, update). Batches are random tokens, fixed across
+steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
+``block_until_ready``; the median is reported.
+
+Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (null where the backend has
+no memory stats, e.g. CPU). Each optimizer runs in a fresh subprocess by default, so peaks don't
+carry over (``--no_isolate`` runs them in this process, e.g. for CPU smoke tests).
+
+Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
+``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
+"peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "first_step_s", "tokens_per_s",
+"loss"}]}``. ``sonew_tridiag_bf16`` runs only if sonew accepts ``momentum_dtype``.
+
+Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
+"""
+
+import argparse
+import dataclasses
+import functools
+import inspect
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import update_speed
+
+from sonew_pax import optim, optimizers, partitioning
+from sonew_pax.models import Transformer, TransformerConfig, count_params
+from sonew_pax.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "train_step.json"
+OPTIMIZERS = ("adamw", "adafactor", "sonew_diag", "sonew_tridiag", "sonew_band4",
+              "sonew_tridiag_bf16")
+COLUMNS = ("optimizer", "step_ms", "step_ms_min", "ratio_vs_adamw", "peak_memory_gib",
+           "memory_ratio_vs_adamw", "first_step_s", "loss")
+BANDS = {"sonew_diag": 0, "sonew_tridiag": 1, "sonew_band4": 4, "sonew_tridiag_bf16": 1}
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.1
+
+
+def load_model_config(model: str, dtype: str | None) -> TransformerConfig:
+    """``configs/models/<model>.gin``'s TransformerConfig, with the compute dtype overridden."""
+    import gin
+
+    gin.clear_config()
+    gin.parse_config_file(str(ROOT / "configs" / "models" / f"{model}.gin"))
+    config = gin.get_configurable(TransformerConfig)()
+    gin.clear_config()
+    return config if dtype is None else dataclasses.replace(config, dtype=dtype)
+
+
+def _matrices(params):
+    """Weight-decay mask: matrices only (as `sonew_pax.optimizers` does)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def sonew_factory(name: str):
+    """The trainer-style factory ``(schedule, *, mesh, param_specs) -> tx`` for a SONew row."""
+    extra = update_speed.bf16_state_kwargs() if name.endswith("_bf16") else {}
+    if extra is None:
+        return None
+    kwargs = {"band": BANDS[name], "weight_decay": WEIGHT_DECAY, **extra}
+    if set(extra) <= set(inspect.signature(optimizers.sonew).parameters):
+        return functools.partial(optimizers.sonew, **kwargs)
+    return functools.partial(optim.sonew, mask=_matrices, **kwargs)
+
+
+def optimizer_factory(name: str, unsharded: bool):
+    """``make_optimizer`` (clipping + the named optimizer) as the Trainer calls it, or None."""
+    if name == "adamw":
+        factory = functools.partial(optimizers.adamw, weight_decay=WEIGHT_DECAY)
+    elif name == "adafactor":
+        factory = optimizers.adafactor
+    else:
+        factory = sonew_factory(name)
+    if factory is None:
+        return None
+    if unsharded:
+        plain = factory
+
+        def factory(schedule, *, mesh=None, param_specs=None):
+            del mesh, param_specs
+            return plain(schedule)
+
+    return functools.partial(optimizers.make_optimizer, factory=factory, clip_norm=1.0)
+
+
+def random_batch(vocab: int, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
+    """Random token ids (inputs, targets) and unit weights."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (batch_size, seq_len + 1), dtype=np.int32)
+    weights = np.ones((batch_size, seq_len), np.float32)
+    return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
+
+
+def peak_memory_gib() -> float | None:
+    """The default device's peak bytes in use so far, in GiB (None without memory stats)."""
+    stats = jax.devices()[0].memory_stats()
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 2**30
+
+
+def run_one(name: str, args: argparse.Namespace) -> dict:
+    """Builds the Trainer for optimizer ``name``, times its train step, returns the row."""
+    optimizer = optimizer_factory(name, args.unsharded_optimizer)
+    if optimizer is None:
+        return {"optimizer": name, "skipped": "sonew has no momentum_dtype option"}
+    config = load_model_config(args.model, args.dtype)
+    mesh = partitioning.make_mesh(devices=jax.devices()[:1])
+    rules = partitioning.logical_axis_rules()
+    trainer = Trainer(Transformer(config), optimizer, optax.constant_schedule(LEARNING_RATE),
+                      mesh, rules, (args.batch_size, args.seq_len), seed=0)
+    with partitioning.axis_rules_context(mesh, rules):
+        state = trainer.init_state(0)
+        batch = trainer.global_batch(random_batch(config.vocab_size, args.batch_size,
+                                                  args.seq_len))
+        start = time.perf_counter()
+        carry = jax.block_until_ready(trainer.train_step(state, batch))
+        first_step_s = time.perf_counter() - start
+        median, times, carry = common.time_steps(
+            lambda c: trainer.train_step(c[0], batch), carry, args.warmup, args.iters
+        )
+    return {
+        "optimizer": name,
+        "step_ms": median,
+        "step_ms_min": min(times),
+        "peak_memory_gib": peak_memory_gib(),
+        "first_step_s": first_step_s,
+        "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
+        "loss": float(carry[1]["loss"]),
+        "params": count_params(trainer.layout.abstract.params),
+        "device": common.device_name(),
+    }
+
+
+def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
+    """Command line that runs one optimizer's measurement in a fresh Python process."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--row_out",
+            str(row_out), "--model", args.model, "--batch_size", str(args.batch_size),
+            "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--iters",
+            str(args.iters)]
+    if args.dtype is not None:
+        argv += ["--dtype", args.dtype]
+    if args.unsharded_optimizer:
+        argv.append("--unsharded_optimizer")
+    return argv
+
+
+def run_isolated(name: str, args: argparse.Namespace) -> dict:
+    """`run_one` in a subprocess (fresh peak-memory counter); a failure becomes an error row."""
+    with tempfile.TemporaryDirectory() as tmp:
+        row_out = Path(tmp) / "row.json"
+        proc = subprocess.run(child_argv(name, args, row_out), capture_output=True, text=True,
+                              check=False)
+        if proc.returncode == 0 and row_out.is_file():
+            return json.loads(row_out.read_text())
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-20:]
+    print(f"{name} failed (exit {proc.returncode}):\n" + "\n".join(tail), flush=True)
+    return {"optimizer": name, "error": tail[-1] if tail else f"exit {proc.returncode}"}
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Fills ``ratio_vs_adamw`` (step time) and ``memory_ratio_vs_adamw`` (peak memory)."""
+    adamw = next((r for r in rows if r["optimizer"] == "adamw" and "step_ms" in r), None)
+    for row in rows:
+        ok = adamw is not None and row.get("step_ms") is not None
+        row["ratio_vs_adamw"] = row["step_ms"] / adamw["step_ms"] if ok else None
+        peaks = (row.get("peak_memory_gib"), adamw and adamw.get("peak_memory_gib"))
+        row["memory_ratio_vs_adamw"] = peaks[0] / peaks[1] if all(peaks) else None
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="350m", help="a config in configs/models/ (e.g. tiny)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                   help="compute dtype (parameters stay float32)")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seq_len", type=int, default=1024)
+    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
+                   help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
+    p.add_argument("--iters", type=int, default=20, help="timed steps; the median is reported")
+    p.add_argument("--unsharded_optimizer", action="store_true",
+                   help="build SONew without the trainer's (one-device) mesh: no shard_map")
+    p.add_argument("--no_isolate", action="store_true",
+                   help="run every optimizer in this process (peak memory then accumulates)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--row_out", type=Path, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object."""
+    args = parse_args(argv)
+    if args.worker:
+        common.write_json(args.row_out, run_one(args.worker, args))
+        return {}
+    names = [n for n in args.optimizers.split(",") if n]
+    unknown = set(names) - set(OPTIMIZERS)
+    if unknown:
+        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
+    rows = []
+    for name in names:
+        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
+        status = row.get("skipped") or row.get("error") or f"{row['step_ms']:.2f} ms"
+        print(f"{name}: {status}", flush=True)
+        rows.append(row)
+    rows = add_ratios(rows)
+    measured = [r for r in rows if "device" in r]
+    result = {
+        "device": measured[0]["device"] if measured else None,
+        "date": common.utc_date(),
+        "params": measured[0]["params"] if measured else None,
+        "config": {"model": args.model, "dtype": args.dtype, "batch_size": args.batch_size,
+                   "seq_len": args.seq_len, "warmup": args.warmup, "iters": args.iters,
+                   "unsharded_optimizer": args.unsharded_optimizer,
+                   "isolated": not args.no_isolate, "jax": jax.__version__},
+        "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
+    }
+    print(f"\n{result['device']}, model {args.model} ({result['params']} parameters), "
+          f"batch {args.batch_size} x {args.seq_len}, median of {args.iters} steps\n")
+    print(common.format_table(result["rows"], COLUMNS))
+    common.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
