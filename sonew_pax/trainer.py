@@ -78,7 +78,7 @@ def make_train_step(
         metrics = {
             "loss": loss,
             "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
-            "grad_norm": optax.global_norm(grads),
+            "grad_norm": optax.tree.norm(grads),
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 

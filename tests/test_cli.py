@@ -1,0 +1,151 @@
+"""The command line, run as a user runs it (subprocesses, 8 simulated CPU devices, 2x4 mesh).
+
+Resume is exact: a run killed with ``kill -9`` after a checkpoint, and a run stopped by SIGTERM,
+then restarted, log the same losses, bit for bit, as a run never interrupted. The interrupted runs
+are started with a huge TRAIN_STEPS (so they are surely still running when interrupted) and
+restarted with the reference's TRAIN_STEPS; the learning rate is constant, so TRAIN_STEPS changes
+nothing else. Also: gin's errors for a misspelled binding or an unset macro, and a clear error for
+a mesh that does not fit the devices. Compiled programs are shared through a persistent cache.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+STEPS = 30
+PERIOD = 5
+COMMON = [
+    "--gin_file=tiny.gin",
+    f"--gin.CHECKPOINT_PERIOD={PERIOD}",
+    "--gin.EVAL_PERIOD=10",
+    "--gin.BATCH_SIZE=8",
+    "--gin.SEQ_LEN=16",
+    "--gin.TransformerConfig.d_model=32",
+    "--gin.TransformerConfig.num_layers=1",
+    "--gin.TransformerConfig.num_heads=4",
+    "--gin.TransformerConfig.head_dim=8",
+    "--gin.TransformerConfig.mlp_dim=64",
+    "--gin.make_eval_batches.max_batches=1",
+    "--gin.make_mesh.data=2",
+    "--gin.make_mesh.model=4",
+    "--gin.learning_rate_schedule.decay='constant'",
+    "--gin.learning_rate_schedule.warmup_steps=0",
+    "--gin.train.log_every=5",
+]
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """Environment of the subprocesses: 8 CPU devices and a shared compilation cache."""
+    cache = tmp_path_factory.mktemp("jax_cache")
+    return {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "JAX_PLATFORMS": "cpu",
+        "JAX_COMPILATION_CACHE_DIR": str(cache),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+    }
+
+
+def command(model_dir, steps: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "sonew_pax.train", *COMMON,
+        f'--gin.MODEL_DIR="{model_dir}"', f"--gin.TRAIN_STEPS={steps}", *extra,
+    ]  # fmt: skip
+
+
+def run(model_dir, steps: int, env, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        command(model_dir, steps, *extra), env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def losses(model_dir) -> dict[int, float]:
+    lines = (model_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r["loss"] for r in map(json.loads, lines)}
+
+
+def wait_for(path, process, timeout=240.0) -> None:
+    """Waits until ``path`` exists while ``process`` is still running."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert process.poll() is None, process.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, env):
+    model_dir = tmp_path_factory.mktemp("reference")
+    done = run(model_dir, STEPS, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "step 30/30 | loss" in done.stderr
+    return losses(model_dir)
+
+
+def test_kill_9_after_a_checkpoint_then_resume_is_exact(reference, tmp_path, env):
+    process = subprocess.Popen(
+        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    wait_for(tmp_path / f"checkpoint_{2 * PERIOD}", process)
+    process.kill()  # SIGKILL: no handler runs
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+    done = run(tmp_path, STEPS, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Resumed" in done.stderr
+    assert losses(tmp_path) == reference  # every step, same bits
+
+
+def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_path, env):
+    process = subprocess.Popen(
+        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    sent = time.monotonic()
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 0, stderr[-3000:]
+    assert time.monotonic() - sent < 15
+    saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
+    assert f"Stopped by preemption at step {saved}" in stderr
+    assert max(losses(tmp_path)) == saved  # metrics logged up to the stop
+    assert saved < STEPS, "the run went too far before SIGTERM to test resuming"
+    done = run(tmp_path, STEPS, env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"from step {saved}" in done.stderr
+    assert losses(tmp_path) == reference
+
+
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ("--gin.TransformerConfig.d_modle=64", "d_modle"),
+        ("--gin.trian.seed=1", "trian"),
+        ("--gin.make_mesh.model=3", "model=3"),
+        ("--gin.make_mesh.data=1 --gin.make_mesh.model=8", "divisible by mesh axes"),
+    ],
+    ids=["misspelled-parameter", "misspelled-configurable", "mesh-vs-devices", "dim-vs-mesh"],
+)
+def test_bad_configuration_fails_at_start(tmp_path, env, flag, message):
+    done = run(tmp_path, STEPS, env, *flag.split())
+    assert done.returncode != 0
+    assert message in done.stderr
+    assert not list(tmp_path.glob("checkpoint_*"))
+
+
+def test_unset_required_macro_names_it(tmp_path, env):
+    done = subprocess.run(
+        [sys.executable, "-m", "sonew_pax.train", "--gin_file=tiny.gin"],
+        env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0
+    assert "MODEL_DIR" in done.stderr
