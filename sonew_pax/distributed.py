@@ -192,12 +192,16 @@ def initialize(
     if group.mode == "explicit":
         use_gloo_cpu_collectives()
     logging.info("Joining a multi-process run: %s (timeout %d s)", group, timeout_s)
+    known = None not in (group.coordinator_address, group.process_count, group.process_index)
     with _deadline(timeout_s, _timeout_message(group, timeout_s)):
         jax.distributed.initialize(
             coordinator_address=group.coordinator_address,
             num_processes=group.process_count,
             process_id=group.process_index,
             initialization_timeout=timeout_s + JAX_TIMEOUT_GRACE_S,
+            # Fully specified: no cluster detection, which under SLURM would narrow each process
+            # to one GPU; this process keeps every device it sees (CUDA_VISIBLE_DEVICES decides).
+            cluster_detection_method="deactivate" if known else None,
         )
         logging.info(  # the device count waits for every process's devices: inside the deadline
             "Process %d of %d; %d local devices, %d in all.",
