@@ -16,6 +16,7 @@ from typing import Any
 
 import gin
 import jax
+import jax.numpy as jnp
 import optax
 
 from sonew_pax import optim
@@ -67,7 +68,7 @@ def learning_rate_schedule(
         offset = max(warmup_steps, 1)
 
         def after(step):
-            return peak_value * jax.numpy.sqrt(offset / (step + offset))
+            return peak_value * jnp.sqrt(offset / (jnp.maximum(step, 0) + offset))
     else:
         after = optax.constant_schedule(peak_value)
     if warmup_steps == 0:

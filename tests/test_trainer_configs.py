@@ -1,0 +1,130 @@
+"""Shipped gin files, the optimizer factory and the learning-rate schedules (no compiling).
+
+Every optimizer config is checked on the 2x4 mesh: its state derives specs from the parameters,
+and no optimizer-state tensor is replicated where its parameter is sharded.
+"""
+
+import pathlib
+
+import gin
+import jax
+import numpy as np
+import optax
+import pytest
+
+from sonew_pax import optimizers, partitioning, train, trainer
+from sonew_pax.models import Transformer
+
+CONFIGS = train.CONFIGS_DIR
+GIN_FILES = sorted(p.relative_to(CONFIGS).as_posix() for p in CONFIGS.rglob("*.gin"))
+OPTIMIZER_FILES = [f for f in GIN_FILES if f.startswith("optimizers/")]
+
+
+@pytest.fixture(autouse=True)
+def _clear_gin():
+    gin.clear_config()
+    yield
+    gin.clear_config()
+
+
+def test_the_expected_configs_ship():
+    for name in ("tiny.gin", "runs/pretrain.gin", "optimizers/adamw.gin",
+                 "optimizers/adafactor.gin", "optimizers/sonew_diag.gin",
+                 "optimizers/sonew_tridiag.gin", "optimizers/sonew_band4.gin"):  # fmt: skip
+        assert name in GIN_FILES
+
+
+@pytest.mark.parametrize("name", GIN_FILES)
+def test_every_shipped_gin_file_parses(name):
+    gin.add_config_file_search_path(str(CONFIGS))
+    gin.parse_config_file(str(CONFIGS / name), skip_unknown=False)
+
+
+def test_gin_flag_rewriting():
+    argv = ["prog", '--gin.MODEL_DIR="/tmp/x"', "--gin.sonew.band=4", "--gin_file=tiny.gin"]
+    assert train.rewrite_gin_args(argv) == [
+        "prog",
+        '--gin_bindings=MODEL_DIR = "/tmp/x"',
+        "--gin_bindings=sonew.band = 4",
+        "--gin_file=tiny.gin",
+    ]
+    with pytest.raises(ValueError, match=r"--gin\.NAME=VALUE"):
+        train.rewrite_gin_args(["prog", "--gin.MODEL_DIR"])
+
+
+def test_misspelled_binding_fails_with_gins_message():
+    with pytest.raises(ValueError, match="num_layrs"):
+        train.parse_gin(["tiny.gin"], ['MODEL_DIR = "/tmp/x"', "TransformerConfig.num_layrs = 1"],
+                        [])  # fmt: skip
+
+
+def test_unset_macro_fails_naming_it():
+    with pytest.raises(ValueError, match="MODEL_DIR"):
+        train.parse_gin(["tiny.gin"], [], [])
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_FILES)
+def test_optimizer_state_is_sharded_like_its_parameters(name):
+    train.parse_gin(["runs/pretrain.gin", "models/tiny.gin", name],
+                    ['MODEL_DIR = "/tmp/unused"', "TRAIN_STEPS = 2000",
+                     "adafactor.min_dim_size_to_factor = 1024"], [])  # fmt: skip
+    step_fns = trainer.Trainer(
+        Transformer(gin.query_parameter("train.model_config").scoped_configurable_fn()),
+        optimizers.make_optimizer,
+        optimizers.learning_rate_schedule(),
+        partitioning.make_mesh(data=2, model=4),
+        partitioning.logical_axis_rules(),
+        (8, 16),
+        seed=0,
+    )
+    layout = step_fns.layout
+    params = jax.tree_util.tree_leaves_with_path(layout.abstract.params)
+    param_specs = jax.tree.leaves(layout.specs.params, is_leaf=_is_spec)
+    opt = jax.tree_util.tree_leaves_with_path(layout.abstract.opt_state)
+    opt_specs = jax.tree.leaves(layout.specs.opt_state, is_leaf=_is_spec)
+    assert len(opt) == len(opt_specs)
+    matched = 0
+    for (path, param), spec in zip(params, param_specs, strict=True):
+        name_ = jax.tree_util.keystr(path)
+        for (opt_path, leaf), opt_spec in zip(opt, opt_specs, strict=True):
+            same_shape = leaf.shape[leaf.ndim - param.ndim :] == param.shape
+            if jax.tree_util.keystr(opt_path).endswith(name_) and same_shape:
+                assert tuple(opt_spec)[leaf.ndim - param.ndim :] == tuple(spec), opt_path
+                matched += 1
+    assert matched >= len(params)  # at least one parameter-shaped statistic per parameter
+
+
+def _is_spec(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec)
+
+
+@pytest.mark.parametrize("decay", optimizers.SCHEDULE_KINDS)
+def test_schedules_warm_up_then_decay(decay):
+    schedule = optimizers.learning_rate_schedule(
+        peak_value=1.0, warmup_steps=10, decay=decay, total_steps=100, end_factor=0.1
+    )
+    values = np.array([float(schedule(s)) for s in range(101)])
+    assert values[0] == 0.0 and values[5] == pytest.approx(0.5) and values[10] == pytest.approx(1)
+    assert np.all(np.diff(values[10:]) <= 1e-7)
+    expected_end = {"cosine": 0.1, "linear": 0.1, "rsqrt": np.sqrt(10 / 100), "constant": 1.0}
+    assert values[100] == pytest.approx(expected_end[decay], rel=1e-5)
+
+
+def test_bad_schedule_arguments():
+    with pytest.raises(ValueError, match="decay"):
+        optimizers.learning_rate_schedule(peak_value=1.0, decay="exp", total_steps=10)
+    with pytest.raises(ValueError, match="warmup_steps=20"):
+        optimizers.learning_rate_schedule(peak_value=1.0, warmup_steps=20, total_steps=10)
+
+
+def test_clipping_comes_first():
+    tx = optimizers.make_optimizer(optax.constant_schedule(1.0), factory=optimizers.adamw,
+                                   clip_norm=1e-3)  # fmt: skip
+    params = {"w": np.ones((2, 2), np.float32)}
+    updates, _ = tx.update({"w": np.full((2, 2), 1e6, np.float32)}, tx.init(params), params)
+    assert np.all(np.isfinite(updates["w"]))
+    assert isinstance(tx.init(params)[0], optax.ClipByGlobalNormState)
+
+
+def test_configs_dir_is_the_repository_configs():
+    assert pathlib.Path(__file__).resolve().parent.parent / "configs" == CONFIGS
