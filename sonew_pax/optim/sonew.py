@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sonew_pax.optim import solve
@@ -81,15 +82,31 @@ def _check_nonnegative(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be >= 0, got {value!r}.")
 
 
-def _validate(band: Any, hyper: _Hyper, mesh: Any, param_specs: Any) -> None:
+def _static_band(band: Any) -> int | None:
+    """``band`` as a Python int; ``None`` when traced.
+
+    ``optax.inject_hyperparams`` turns every numeric argument, ``band`` included, into an array.
+    A concrete array is accepted; a traced one is fine inside ``update``, which reads the band
+    from the state's shapes.
+    """
+    if isinstance(band, jax.core.Tracer):
+        return None
+    value = np.asarray(band)
+    if value.shape or value.dtype == bool or not np.issubdtype(value.dtype, np.number):
+        raise ValueError(f"band must be an int (0 diag, 1 tridiag, b banded), got {band!r}.")
+    if value != np.round(value) or value < 0:
+        raise ValueError(f"band must be an int >= 0 (0 diag, 1 tridiag, b banded), got {band!r}.")
+    return int(value)
+
+
+def _as_dtype(dtype: Any) -> np.dtype:
+    """A dtype from a dtype-like, or from the array ``optax.inject_hyperparams`` makes of one (it
+    treats callables such as ``jnp.float32`` as schedules and calls them)."""
+    return jnp.dtype(getattr(dtype, "dtype", dtype))
+
+
+def _validate(hyper: _Hyper, mesh: Any, param_specs: Any) -> None:
     """Raises ``ValueError`` naming the offending argument."""
-    if isinstance(band, bool) or not isinstance(band, numbers.Integral):
-        raise ValueError(
-            f"band must be a Python int (0 diag, 1 tridiag, b banded), got {band!r}. With "
-            "optax.inject_hyperparams pass static_args=('band',)."
-        )
-    if band < 0:
-        raise ValueError(f"band must be >= 0 (0 diag, 1 tridiag, b banded), got {band}.")
     if hyper.graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {hyper.graft!r}.")
     _check_fraction("b1", hyper.b1)
@@ -176,13 +193,18 @@ def scale_by_sonew(
       An ``optax.GradientTransformationExtraArgs``.
     """
     hyper = _Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
-    _validate(band, hyper, mesh, param_specs)
+    _validate(hyper, mesh, param_specs)
+    static_band = _static_band(band)
+    stats_dtype = _as_dtype(stats_dtype)
 
     def init_fn(params: optax.Params) -> ScaleBySONewState:
+        if static_band is None:
+            raise ValueError("band must be a concrete int when the state is initialised.")
+
         def off_diagonals(p: jax.Array) -> Any:
-            if band == 0 or not _preconditioned(jnp.ndim(p), precondition_1d):
+            if static_band == 0 or not _preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
-            return jnp.zeros((band, *jnp.shape(p)), stats_dtype)
+            return jnp.zeros((static_band, *jnp.shape(p)), stats_dtype)
 
         zeros = lambda p: jnp.zeros(jnp.shape(p), stats_dtype)  # noqa: E731
         return ScaleBySONewState(

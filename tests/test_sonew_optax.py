@@ -1,0 +1,178 @@
+"""SONew behaves like an optax optimizer, stays finite on hostile gradients, and rejects bad input."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from sonew_pax.optim import ScaleBySONewState, scale_by_sonew, sonew
+
+BANDS = [0, 1, 2, 4, 10]
+PARAMS = {"w": jnp.ones((6, 5)), "k": jnp.ones((3, 2, 4)), "b": jnp.ones((5,))}
+
+
+def _grads(kind: str, params):
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, p in params.items():
+        g = rng.normal(size=p.shape)
+        if kind == "zero":
+            g = np.zeros(p.shape)
+        elif kind == "identical":
+            g = np.full(p.shape, 0.7)
+        elif kind == "tiny":
+            g = g * 1e-30
+        elif kind == "huge":
+            g = g * 1e18
+        out[name] = jnp.asarray(g, jnp.bfloat16 if kind == "bf16" else jnp.float32)
+    return out
+
+
+@pytest.mark.parametrize("band", BANDS)
+def test_finite_on_hostile_gradients(band):
+    """Zero, identical-neighbour, rank-deficient first steps, 1e-30, 1e18 and bf16 gradients."""
+    tx = sonew(1e-2, band=band, precondition_1d=True)
+    update = jax.jit(tx.update)
+    for kind in ["zero", "identical", "normal", "tiny", "huge", "bf16"]:
+        params = jax.tree.map(
+            lambda p, k=kind: p.astype(jnp.bfloat16 if k == "bf16" else jnp.float32), PARAMS
+        )
+        state = tx.init(params)
+        for step in range(3):  # step 1 is rank-deficient: H = P_G(g g^T) + eps I
+            grads = _grads(kind, params) if step != 1 else _grads("identical", params)
+            grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
+            updates, state = update(grads, state, params)
+            for name, u in updates.items():
+                assert u.dtype == params[name].dtype
+                assert bool(jnp.all(jnp.isfinite(u))), (band, kind, step, name)
+            for leaf in jax.tree.leaves(state):
+                assert bool(jnp.all(jnp.isfinite(leaf))), (band, kind, step)
+
+
+def test_update_is_scale_free_for_graft_none(x64):
+    """With eps = 0 the direction for gradients c*g is (1/c) times that for g (no square root)."""
+    tx = scale_by_sonew(band=2, eps=0.0, gamma=1e-6, graft="none", stats_dtype=jnp.float64)
+    rng = np.random.default_rng(1)
+    grads = [{"w": jnp.asarray(rng.normal(size=(6, 5)))} for _ in range(4)]
+    s1, s2 = tx.init(grads[0]), tx.init(grads[0])
+    for g in grads:  # after 3 steps every band-2 window has full rank
+        u1, s1 = tx.update(g, s1)
+        u2, s2 = tx.update(jax.tree.map(lambda x: 1e6 * x, g), s2)
+    np.testing.assert_allclose(np.asarray(u2["w"]) * 1e6, np.asarray(u1["w"]), rtol=1e-9)
+
+
+def test_state_layout_and_dtypes():
+    """Every state array has its parameter's shape; tridiag is 3x the parameters."""
+    params = {"w": jnp.ones((6, 5), jnp.bfloat16), "b": jnp.ones((5,), jnp.bfloat16)}
+    tx = scale_by_sonew(band=1)
+    state = tx.init(params)
+    assert isinstance(state, ScaleBySONewState)
+    assert state.m["w"].shape == state.d["w"].shape == (6, 5)
+    assert state.e["w"].shape == (1, 6, 5)
+    assert isinstance(state.e["b"], optax.MaskedNode)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((state.m, state.d, state.e)))
+    grads = jax.tree.map(jnp.ones_like, params)
+    updates, new_state = jax.jit(tx.update)(grads, state)
+    assert jax.tree.map(lambda a: a.dtype, new_state) == jax.tree.map(lambda a: a.dtype, state)
+    assert all(u.dtype == jnp.bfloat16 for u in jax.tree.leaves(updates))
+    assert state.e["w"].size + state.m["w"].size + state.d["w"].size == 3 * params["w"].size
+
+
+def test_jit_no_recompilation_and_extra_args():
+    tx = sonew(1e-3, band=2)
+    state = tx.init(PARAMS)
+    traces = []
+
+    @jax.jit
+    def step(params, state, grads):
+        traces.append(1)
+        updates, state = tx.update(grads, state, params, unused_extra_arg=1.0)
+        return optax.apply_updates(params, updates), state
+
+    params = PARAMS
+    for _ in range(3):
+        params, state = step(params, state, _grads("normal", PARAMS))
+    assert len(traces) == 1
+
+
+def test_composes_with_chain_multisteps_inject_and_masks():
+    mask = {"w": True, "k": True, "b": False}
+    base = optax.chain(optax.clip_by_global_norm(1.0), sonew(1e-2, weight_decay=0.1, mask=mask))
+    multi = optax.MultiSteps(sonew(1e-2, band=2), every_k_schedule=2)
+    injected = optax.inject_hyperparams(sonew, static_args=("band",))(
+        learning_rate=optax.cosine_decay_schedule(1e-2, 10), b2=0.99, band=2
+    )
+    for tx in (base, multi, injected):
+        state = tx.init(PARAMS)
+        params = PARAMS
+        for _ in range(3):
+            updates, state = jax.jit(tx.update)(_grads("normal", PARAMS), state, params)
+            params = optax.apply_updates(params, updates)
+        assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+    state = injected.init(PARAMS)
+    assert float(state.hyperparams["b2"]) == pytest.approx(0.99)
+
+
+def test_mask_excludes_weight_decay():
+    """With zero gradients the only movement is weight decay, exactly where the mask says."""
+    mask = {"w": True, "k": False, "b": False}
+    tx = sonew(0.5, weight_decay=0.1, mask=mask)
+    updates, _ = tx.update(_grads("zero", PARAMS), tx.init(PARAMS), PARAMS)
+    np.testing.assert_allclose(np.asarray(updates["w"]), -0.05 * np.ones((6, 5)), rtol=1e-6)
+    assert not np.any(np.asarray(updates["k"])) and not np.any(np.asarray(updates["b"]))
+
+
+def test_flax_params_tree():
+    model = nn.Sequential([nn.Dense(7), nn.relu, nn.Dense(3)])
+    x = jnp.ones((4, 5))
+    params = model.init(jax.random.key(0), x)["params"]
+    tx = sonew(1e-2, band=1)
+    state = tx.init(params)
+
+    def loss(p):
+        return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+    for _ in range(3):
+        grads = jax.grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(params))
+
+
+def test_minimises_a_quadratic():
+    """Sanity: SONew reduces an ill-conditioned least-squares loss."""
+    rng = np.random.default_rng(0)
+    A = jnp.asarray(rng.normal(size=(64, 12)) * np.logspace(0, 2, 12))
+    y = jnp.asarray(rng.normal(size=(64,)))
+    loss = lambda p: jnp.mean((A @ p["w"].reshape(-1) - y) ** 2)  # noqa: E731
+    best = loss({"w": jnp.asarray(np.linalg.lstsq(A, y, rcond=None)[0])})
+    params = {"w": jnp.zeros((4, 3))}
+    tx = sonew(optax.cosine_decay_schedule(0.02, 300), band=2)
+    state = tx.init(params)
+    start = loss(params)
+    for _ in range(300):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    assert loss(params) - best < 0.05 * (start - best)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"band": -1}, "band"),
+        ({"band": 1.5}, "band"),
+        ({"b1": 1.0}, "b1"),
+        ({"b1": -0.1}, "b1"),
+        ({"b2": 1.2}, "b2"),
+        ({"graft": "sgd"}, "graft"),
+        ({"eps": -1.0}, "eps"),
+        ({"gamma": -1e-3}, "gamma"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"mesh": None, "param_specs": {"w": None}}, "mesh"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        sonew(1e-3, **kwargs)
