@@ -1,0 +1,266 @@
+"""Launch scripts, Docker images and the v4-32 run config, checked without a cluster or Docker.
+
+- Every script parses (``bash -n``) and passes shellcheck; each fails early, naming the missing
+  variable; ``DRY_RUN=1`` shows the commands the TPU and SLURM launchers would run.
+- ``local_multiprocess.sh`` starts its processes with the process-group variables and stops the
+  others when one fails.
+- The Dockerfiles pass hadolint and keep the essentials (pinned base and jax, non-root, ...).
+- ``configs/runs/pretrain_1b_v4_32.gin``: its memory estimate matches the real parameter and
+  optimizer-state counts (``jax.eval_shape``, nothing allocated) and fits a v4 chip.
+"""
+
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import gin
+import jax
+import jax.numpy as jnp
+import pytest
+
+from sonew_pax import optimizers, train, train_state
+from sonew_pax.models import Transformer
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+SCRIPTS = sorted(LAUNCH.glob("*.sh")) + sorted(LAUNCH.glob("*.sbatch"))
+DOCKERFILES = sorted((REPO / "docker").glob("Dockerfile.*"))
+BIN = pathlib.Path(sys.executable).parent
+GIB = 2**30
+V4_HBM_GIB = 32
+
+
+def _tool(name: str) -> str:
+    """Path of a linter installed by the test extra (next to this Python, or on PATH)."""
+    path = shutil.which(name, path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if path is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]')")
+    return path
+
+
+def run_script(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = ""):
+    """Runs ``bash launch/<script> args`` with only ``env`` (plus PATH/HOME) set."""
+    base = {"PATH": path_prefix + os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
+    return subprocess.run(["bash", str(LAUNCH / script), *args], cwd=REPO, env=base | (env or {}),
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_launch_scripts_exist():
+    names = {p.name for p in SCRIPTS}
+    assert {"tpu_pod.sh", "slurm_gpu.sbatch", "local_multiprocess.sh"} <= names
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_script_syntax_and_shellcheck(script):
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    result = subprocess.run([_tool("shellcheck"), "-x", str(script)], capture_output=True,
+                            text=True, check=False)
+    assert result.returncode == 0, result.stdout
+
+
+TPU_ENV = {"PROJECT": "p", "ZONE": "us-central2-b", "TPU_NAME": "pod", "MODEL_DIR": "gs://b/run"}
+SLURM_ENV = {"MODEL_DIR": "/shared/run", "GIN_FILE": "tiny.gin", "SLURM_JOB_ID": "4242",
+             "SLURM_JOB_NODELIST": "node-[1-2]", "VENV": str(BIN.parent)}
+
+
+@pytest.mark.parametrize(
+    ("script", "env", "missing"),
+    [
+        ("tpu_pod.sh", TPU_ENV, "PROJECT"),
+        ("tpu_pod.sh", TPU_ENV, "ZONE"),
+        ("tpu_pod.sh", TPU_ENV, "TPU_NAME"),
+        ("tpu_pod.sh", TPU_ENV, "MODEL_DIR"),
+        ("slurm_gpu.sbatch", SLURM_ENV, "MODEL_DIR"),
+        ("slurm_gpu.sbatch", SLURM_ENV, "GIN_FILE"),
+        ("slurm_gpu.sbatch", SLURM_ENV, "SLURM_JOB_ID"),
+        ("local_multiprocess.sh", {"NUM_PROCESSES": "2"}, "NUM_PROCESSES"),
+    ],
+)
+def test_missing_variable_fails_early_naming_it(script, env, missing):
+    env = {k: v for k, v in env.items() if k != missing} | {"DRY_RUN": "1"}
+    result = run_script(script, "true", env=env) if script.endswith("multiprocess.sh") else (
+        run_script(script, env=env))
+    assert result.returncode == 2
+    assert f"error: {missing} is not set" in result.stderr
+    assert f"see the header of launch/{script}" in result.stderr
+    assert "gcloud" not in result.stdout and "srun" not in result.stdout
+
+
+def test_tpu_pod_needs_a_gcs_model_dir():
+    result = run_script("tpu_pod.sh", env=TPU_ENV | {"MODEL_DIR": "/tmp/run", "DRY_RUN": "1"})
+    assert result.returncode == 2 and "MODEL_DIR must be gs://BUCKET/PATH" in result.stderr
+
+
+def test_tpu_pod_dry_run_creates_sets_up_and_trains_on_all_workers():
+    result = run_script("tpu_pod.sh", "all", "--", "--gin.TRAIN_STEPS=10",
+                        env=TPU_ENV | {"DRY_RUN": "1"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert "tpu-vm create pod --accelerator-type=v4-32" in lines[0]
+    assert any("tpu-vm scp" in line and "--worker=all" in line for line in lines)
+    setup = next(line for line in lines if "pip install" in line)
+    assert "jax[tpu]==0.10.2" in setup and "gcsfuse --implicit-dirs b /mnt/gcs/b" in setup
+    train_line = lines[-1]
+    assert "tpu-vm ssh pod --worker=all" in train_line
+    assert "--gin_file=runs/pretrain_1b_v4_32.gin" in train_line
+    assert "/mnt/gcs/b/run" in train_line and "--gin.TRAIN_STEPS=10" in train_line
+
+
+def test_tpu_pod_queued_spot_resource():
+    env = TPU_ENV | {"DRY_RUN": "1", "QUEUED": "1", "SPOT": "1"}
+    created = run_script("tpu_pod.sh", "create", env=env)
+    assert created.returncode == 0, created.stderr
+    assert "queued-resources create pod --node-id=pod" in created.stdout
+    assert "--spot" in created.stdout
+    deleted = run_script("tpu_pod.sh", "delete", env=env)
+    assert "queued-resources delete pod --force" in deleted.stdout
+
+
+def test_tpu_pod_rejects_an_unknown_step():
+    result = run_script("tpu_pod.sh", "launch", env=TPU_ENV)
+    assert result.returncode == 2 and "unknown step 'launch'" in result.stderr
+
+
+def test_slurm_dry_run_sets_the_coordinator_from_the_first_node(tmp_path):
+    scontrol = tmp_path / "scontrol"
+    scontrol.write_text("#!/bin/sh\necho node-1\necho node-2\n")
+    scontrol.chmod(0o755)
+    result = run_script("slurm_gpu.sbatch", "--gin.TRAIN_STEPS=5",
+                        env=SLURM_ENV | {"DRY_RUN": "1"}, path_prefix=f"{tmp_path}:")
+    assert result.returncode == 0, result.stderr
+    assert "coordinator node-1:24242" in result.stdout
+    assert "srun --kill-on-bad-exit=1" in result.stdout
+    assert "-m sonew_pax.train --gin_file=tiny.gin" in result.stdout
+    assert "--gin.TRAIN_STEPS=5" in result.stdout
+
+
+def test_slurm_without_a_venv_fails_early():
+    result = run_script("slurm_gpu.sbatch", env=SLURM_ENV | {"VENV": "/nonexistent"})
+    assert result.returncode == 2 and "no python in VENV=/nonexistent" in result.stderr
+
+
+def test_local_multiprocess_gives_each_process_its_index():
+    code = ("import os; print('index', os.environ['PROCESS_INDEX'], 'of', "
+            "os.environ['PROCESS_COUNT'], os.environ['COORDINATOR_ADDRESS'], "
+            "os.environ['XLA_FLAGS'])")
+    env = {"NUM_PROCESSES": "3", "DEVICES_PER_PROCESS": "2", "PYTHON": sys.executable}
+    result = run_script("local_multiprocess.sh", sys.executable, "-c", code, env=env)
+    assert result.returncode == 0, result.stderr
+    for index in range(3):
+        assert re.search(rf"\[process {index}\] index {index} of 3 127\.0\.0\.1:\d+ "
+                         r"--xla_force_host_platform_device_count=2", result.stdout)
+
+
+def test_local_multiprocess_stops_the_others_when_one_fails(tmp_path):
+    code = ("import os, sys, time; "
+            "time.sleep(60 * int(os.environ['PROCESS_INDEX'])); sys.exit(7)")
+    env = {"NUM_PROCESSES": "2", "LOG_DIR": str(tmp_path), "PYTHON": sys.executable}
+    result = run_script("local_multiprocess.sh", sys.executable, "-c", code, env=env)
+    assert result.returncode == 7
+    assert "stopping the others" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["process_0.log", "process_1.log"]
+
+
+# --- Docker ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_dockerfile_passes_hadolint(dockerfile):
+    result = subprocess.run([_tool("hadolint"), "--no-color", str(dockerfile)],
+                            capture_output=True, text=True, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(("name", "jax_extra"), [("Dockerfile.tpu", "tpu"),
+                                                 ("Dockerfile.gpu", "cuda12")])
+def test_dockerfile_essentials(name, jax_extra):
+    text = (REPO / "docker" / name).read_text()
+    base = re.search(r"^FROM (\S+)", text, re.M).group(1)
+    assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", base), f"base image {base} is not pinned to a tag"
+    assert "latest" not in base
+    assert re.search(r"^ARG JAX_VERSION=\d+\.\d+\.\d+$", text, re.M)
+    assert f'"jax[{jax_extra}]==${{JAX_VERSION}}" -e .' in text
+    assert all("--no-cache-dir" in line for line in text.splitlines() if "pip install" in line)
+    assert re.search(r"^WORKDIR /\S+", text, re.M)
+    user = re.findall(r"^USER (\S+)", text, re.M)
+    assert user and user[-1].split(":")[0] not in ("root", "0")
+    assert 'ENTRYPOINT ["python", "-m", "sonew_pax.train"]' in text
+    copied = set(re.findall(r"^COPY (.+) \S+$", text, re.M))
+    assert " ".join(copied).split() and all((REPO / p).exists()
+                                             for c in copied for p in c.split())
+
+
+def test_dockerignore_keeps_the_context_small_but_complete():
+    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "runs"} <= ignored
+    assert not {"sonew_pax", "configs", "pyproject.toml", "README.md"} & ignored
+
+
+# --- the v4-32 run config -------------------------------------------------------------------
+
+RUN_CONFIG = "runs/pretrain_1b_v4_32.gin"
+
+
+def _comment_numbers(text: str) -> dict[str, float]:
+    """``#   name:   1,234.5 ...`` lines of the memory block -> {name: number}."""
+    block = text.split("Memory per chip", 1)[1].split("\n#\n", 1)[0]
+    pattern = r"^#\s+([A-Za-z][\w +()/-]*?):\s+([\d,]+(?:\.\d+)?)"
+    return {m[1]: float(m[2].replace(",", "")) for m in re.finditer(pattern, block, re.M)}
+
+
+def activation_bytes(cfg, tokens: int, sequences: int, seq_len: int) -> int:
+    """Activations per chip by the formula in the config's comments (bf16, no remat)."""
+    per_layer = (6 * tokens * cfg.d_model + 4 * tokens * cfg.num_heads * cfg.head_dim
+                 + 2 * sequences * cfg.num_heads * seq_len**2 + 3 * tokens * cfg.mlp_dim)
+    return 2 * per_layer * cfg.num_layers + 2 * tokens * cfg.vocab_size * 4
+
+
+@pytest.fixture
+def run_config():
+    """The v4-32 run config parsed by gin (cleared afterwards)."""
+    gin.clear_config()
+    train.parse_gin([RUN_CONFIG], ['MODEL_DIR = "/tmp/unused"', "TRAIN_STEPS = 100000"], [])
+    yield
+    gin.clear_config()
+
+
+def _bytes(tree) -> int:
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)
+               if hasattr(x, "shape"))
+
+
+def test_v4_32_memory_estimate_matches_the_real_model(run_config):
+    text = (REPO / "configs" / RUN_CONFIG).read_text()
+    stated = _comment_numbers(text)
+    cfg = gin.query_parameter("%MODEL_CONFIG").scoped_configurable_fn()
+    data, model = gin.query_parameter("make_mesh.data"), gin.query_parameter("make_mesh.model")
+    batch, seq_len = gin.query_parameter("%BATCH_SIZE"), gin.query_parameter("%SEQ_LEN")
+    chips = data * model
+    assert chips == 16 and batch % data == 0
+    assert gin.query_parameter("sonew.band") == 1
+
+    example = jax.ShapeDtypeStruct((1, seq_len), jnp.int32)
+    params = train_state.strip_boxes(train_state.abstract_boxed_params(Transformer(cfg), example))
+    tx = optimizers.make_optimizer(optimizers.learning_rate_schedule())
+    opt_state = jax.eval_shape(tx.init, params)
+    count = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    param_bytes, state_bytes = _bytes(params), _bytes(opt_state)
+    assert stated["parameters"] == count
+    assert state_bytes / param_bytes == pytest.approx(3.0, rel=0.01)  # m, d, e
+
+    sequences = batch // data
+    expected_gib = {
+        "params + grads": 2 * param_bytes / chips / GIB,
+        "SONew state (3x params)": state_bytes / chips / GIB,
+        "gathered bf16 weights": count * 2 / GIB,
+        "activations": activation_bytes(cfg, sequences * seq_len, sequences, seq_len) / GIB,
+    }
+    expected_gib["total"] = sum(expected_gib.values())
+    for name, value in expected_gib.items():
+        assert stated[name] == pytest.approx(value, abs=0.01), name
+    assert expected_gib["total"] < 0.75 * V4_HBM_GIB
