@@ -18,6 +18,7 @@ persistent compilation cache keeps the resumed launches from compiling again.
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -177,3 +178,59 @@ def test_a_missing_peer_fails_with_a_clear_message(tmp_path):
     assert result.returncode == distributed.TIMEOUT_EXIT_CODE, result.stderr[-2000:]
     assert "process 1 of 2 timed out after 2 s" in result.stderr
     assert "127.0.0.1:1" in result.stderr
+
+
+# --- how a process decides to start (no processes started) ----------------------------------
+
+
+def test_flags_take_precedence_over_the_environment():
+    environ = {"COORDINATOR_ADDRESS": "env:1", "PROCESS_COUNT": "8", "PROCESS_INDEX": "5"}
+    group = distributed.resolve("flag:2", 4, 3, environ=environ, on_tpu=False)
+    assert group == distributed.ProcessGroup("explicit", "flag:2", 4, 3)
+
+
+def test_torchrun_style_environment():
+    environ = {"MASTER_ADDR": "host0", "MASTER_PORT": "1234", "WORLD_SIZE": "2", "RANK": "1"}
+    group = distributed.resolve(None, None, None, environ=environ, on_tpu=False)
+    assert group == distributed.ProcessGroup("explicit", "host0:1234", 2, 1)
+
+
+def test_slurm_without_a_coordinator_leaves_it_to_jax():
+    environ = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_PROCID": "2"}
+    group = distributed.resolve(None, None, None, environ=environ, on_tpu=False)
+    assert group == distributed.ProcessGroup("explicit", None, 4, 2)
+
+
+def test_single_process_and_cloud_tpu():
+    assert distributed.resolve(None, None, None, environ={}, on_tpu=False).mode == "single"
+    assert distributed.resolve(None, 1, None, environ={}, on_tpu=False).mode == "single"
+    assert distributed.resolve(None, None, None, environ={}, on_tpu=True).mode == "cloud_tpu"
+
+
+@pytest.mark.parametrize(
+    ("flags", "environ", "message"),
+    [
+        ((None, 2, None), {}, "no process index: pass --process_index"),
+        ((None, 2, 0), {}, "no coordinator address: pass --coordinator_address"),
+        (("h:1", 2, 2), {}, "process index 2 is not in [0, 2)"),
+        ((None, None, None), {"WORLD_SIZE": "two"}, "WORLD_SIZE='two' is not an integer"),
+        ((None, 0, None), {}, "process count must be at least 1"),
+    ],
+)
+def test_incomplete_process_groups_fail_with_what_to_set(flags, environ, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        distributed.resolve(*flags, environ=environ, on_tpu=False)
+
+
+def _pci_device(root: pathlib.Path, name: str, vendor: str, device: str) -> None:
+    (root / name).mkdir()
+    (root / name / "vendor").write_text(vendor + "\n")
+    (root / name / "device").write_text(device + "\n")
+
+
+def test_tpu_chips_are_found_by_pci_id_not_by_vendor_alone(tmp_path):
+    _pci_device(tmp_path, "0000:00:04.0", "0x1ae0", "0x0042")  # Google's virtual NIC
+    _pci_device(tmp_path, "0000:00:05.0", "0x8086", "0x005e")
+    assert not distributed.has_tpu_chips(tmp_path)
+    _pci_device(tmp_path, "0000:00:06.0", "0x1ae0", "0x005e")  # a TPU v4 chip
+    assert distributed.has_tpu_chips(tmp_path)
