@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from sonew_pax import optimizers, partitioning, train, trainer
+from sonew_pax import demo, optimizers, partitioning, train, trainer
 
 STEPS = 12
 PERIOD = 6
@@ -172,3 +172,8 @@ def test_compiled_shardings_match_the_derived_specs(tmp_path):
                 assert _is_sharded(o_sharding), (jax.tree_util.keystr(opt_path), o_sharding)
                 checked += 1
     assert checked >= 3 * sum(_is_sharded(s) for s in param_shardings)  # m, d and e per param
+
+
+def test_demo_summary_reads_the_run(reference):
+    text = demo.summary(reference[0])
+    assert f"at step {STEPS}" in text and "Held-out loss" in text and "model-info.txt" in text
