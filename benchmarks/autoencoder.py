@@ -416,7 +416,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     tail = [v for row in rows for v in row["curve"][half - 1 :]]
     axes[0].set_yscale("log")
     axes[1].set_xlim(half, max(len(rows[0]["curve"]), half + 1))
-    axes[1].set_ylim(min(tail) - 0.5, min(max(tail), min(tail) + 15))
+    axes[1].set_ylim(min(tail) - 0.5, min(max(tail), min(tail) + 20))
     for ax in axes:
         ax.set_xlabel("epoch")
         ax.set_ylabel("train CE loss (epoch mean of minibatches)")
