@@ -19,7 +19,7 @@ command resumes from the newest complete checkpoint.
 import logging as pylogging
 import pathlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import gin
 from absl import app, flags, logging
@@ -67,6 +67,39 @@ def quiet_library_logs() -> None:
     logging.get_absl_handler().addFilter(_own_info_only)
 
 
+def _tolerant(existence_check: Callable[[str], bool]) -> Callable[[str], bool]:
+    """``existence_check`` that answers False where it would raise TypeError."""
+
+    def check(path: str) -> bool:
+        try:
+            return existence_check(path)
+        except TypeError:
+            return False
+
+    check.tolerant = True
+    return check
+
+
+def _harden_gin_file_readers() -> None:
+    """Works around gin's package-resource reader crashing on namespace packages.
+
+    For an include such as ``runs/pretrain.gin``, gin first asks whether ``runs`` is an importable
+    package; a plain ``runs/`` directory in the working directory (``make demo`` creates one) is a
+    namespace package without a file, and gin's check raises TypeError instead of answering no.
+    """
+    gin.config._FILE_READERS[:] = [
+        (reader, check if getattr(check, "tolerant", False) else _tolerant(check))
+        for reader, check in gin.config._FILE_READERS
+    ]
+
+
+def set_search_paths(search_paths: Sequence[str]) -> None:
+    """Where gin looks for files and includes: ``search_paths``, then this repository's configs/."""
+    _harden_gin_file_readers()
+    for path in [*search_paths, str(CONFIGS_DIR)]:
+        gin.add_config_file_search_path(path)
+
+
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
     """Parses config files then bindings (unknown names are errors) and finalizes the config.
 
@@ -74,8 +107,7 @@ def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Seque
       ValueError (from gin): a misspelled configurable or parameter, or a macro left at
         ``%gin.REQUIRED``, named in the message.
     """
-    for path in [*search_paths, str(CONFIGS_DIR)]:
-        gin.add_config_file_search_path(path)
+    set_search_paths(search_paths)
     gin.parse_config_files_and_bindings(
         list(files), list(bindings), skip_unknown=False, finalize_config=True
     )

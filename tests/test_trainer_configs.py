@@ -36,8 +36,8 @@ def test_the_expected_configs_ship():
 
 @pytest.mark.parametrize("name", GIN_FILES)
 def test_every_shipped_gin_file_parses(name):
-    gin.add_config_file_search_path(str(CONFIGS))
-    gin.parse_config_file(str(CONFIGS / name), skip_unknown=False)
+    train.set_search_paths([])
+    gin.parse_config_file(name, skip_unknown=False)
 
 
 def test_gin_flag_rewriting():
@@ -128,3 +128,11 @@ def test_clipping_comes_first():
 
 def test_configs_dir_is_the_repository_configs():
     assert pathlib.Path(__file__).resolve().parent.parent / "configs" == CONFIGS
+
+
+def test_parses_with_a_runs_directory_in_the_working_directory(tmp_path, monkeypatch):
+    """``make demo`` leaves ./runs/; gin must not take it for the package of runs/pretrain.gin."""
+    (tmp_path / "runs" / "demo").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train.parse_gin(["tiny.gin"], ['MODEL_DIR = "/tmp/unused"'], [])
