@@ -82,11 +82,8 @@ def _train_command(model_dir: pathlib.Path, steps: int) -> list[str]:
 
 
 def _run(command: list[str], env: dict[str, str], log: pathlib.Path) -> None:
-    """Runs ``command`` next to ``log``; fails the test with the log's tail if it fails.
-
-    Not in the repository: gin reads ``include 'runs/...'`` as a package resource first, and a
-    stray top-level ``runs/`` directory there would be imported as that package.
-    """
+    """Runs ``command`` next to ``log`` (outside the repository, as a user would); fails the
+    test with the log's tail if it fails."""
     with log.open("w") as out:
         result = subprocess.run(command, cwd=log.parent, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, timeout=400, check=False)
