@@ -57,8 +57,9 @@ class Checkpoints:
         returns, so the next step may reuse their buffers).
     """
 
-    def __init__(self, model_dir: str | pathlib.Path, keep: int | None = None,
-                 async_save: bool = True):
+    def __init__(
+        self, model_dir: str | pathlib.Path, keep: int | None = None, async_save: bool = True
+    ):
         self.model_dir = pathlib.Path(model_dir)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,

@@ -109,7 +109,6 @@ def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_pa
         text=True,
     )  # fmt: skip
     wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
-    time.sleep(0.2)
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     _, stderr = process.communicate(timeout=60)
