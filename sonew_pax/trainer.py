@@ -307,26 +307,28 @@ def train(
         pending: tuple[int, dict[str, Any]] | None = None
         loss = None
         preempted = stop.received
-        while step < train_steps and not preempted:
-            state, step_metrics = step_fns.step(state, next(batches))
-            step += 1
-            if pending is not None:  # the previous step's metrics are ready by now
-                writer.write(*pending)
-            pending = (step, dict(step_metrics))
-            if eval_batches is not None and _due(step, eval_period, train_steps):
-                pending[1].update(step_fns.evaluate(state.params, eval_batches))
-            if progress.due(step):
-                loss = float(step_metrics["loss"])
-                progress.log(step, loss)
-                writer.flush()
-            preempted = stop.received or ckpts.reached_preemption(step)
-            if preempted or _due(step, checkpoint_period, train_steps):
-                writer.write(*pending)  # the log on disk reaches at least the checkpoint
-                writer.flush()
-                loss, pending = float(pending[1]["loss"]), None
-                ckpts.save(state, batches.get_state())
-        writer.close()
-        ckpts.close()
+        try:
+            while step < train_steps and not preempted:
+                state, step_metrics = step_fns.step(state, next(batches))
+                step += 1
+                if pending is not None:  # the previous step's metrics are ready by now
+                    writer.write(*pending)
+                pending = (step, dict(step_metrics))
+                if eval_batches is not None and _due(step, eval_period, train_steps):
+                    pending[1].update(step_fns.evaluate(state.params, eval_batches))
+                if progress.due(step):
+                    loss = float(step_metrics["loss"])
+                    progress.log(step, loss)
+                    writer.flush()
+                preempted = stop.received or ckpts.reached_preemption(step)
+                if preempted or _due(step, checkpoint_period, train_steps):
+                    writer.write(*pending)  # the log on disk reaches at least the checkpoint
+                    writer.flush()
+                    loss, pending = float(pending[1]["loss"]), None
+                    ckpts.save(state, batches.get_state())
+        finally:  # also on errors: finish pending checkpoint writes
+            writer.close()
+            ckpts.close()
     _write_text(model_dir_path / "config.gin", gin.operative_config_str())
     if preempted:
         logging.warning("Stopped by preemption at step %d; rerun to resume.", step)
