@@ -15,6 +15,7 @@ Reductions (:func:`chain_sum`, :func:`chain_max`) are local sums followed by ``p
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import jax
@@ -119,11 +120,39 @@ def _shift_sharded_axis(
 
 
 def _fetch_from(y: jax.Array, offset: int, names: MeshAxes, num_shards: int) -> jax.Array:
-    """Every shard ``s`` receives ``y`` from shard ``(s + offset) mod P`` (a collective-permute)."""
+    """Every shard ``s`` receives ``y`` from shard ``(s + offset) mod P`` (a collective-permute).
+
+    Shard ``s`` counts blocks in the spec's axis order (``axis_index(names)``); ``ppermute``
+    numbers devices in the mesh's axis order, so the permutation is translated.
+    """
     if offset == 0:
         return y
-    perm = [((d + offset) % num_shards, d) for d in range(num_shards)]
+    device_index = _mesh_order_index(names)
+    perm = [(device_index[(d + offset) % num_shards], device_index[d]) for d in range(num_shards)]
     return lax.ppermute(y, names, perm)
+
+
+def _mesh_order_index(names: MeshAxes) -> list[int]:
+    """Maps block index (``names`` order, major first) to ``ppermute``'s index (mesh order)."""
+    sizes = [lax.axis_size(n) for n in names]
+    mesh_order = sorted(range(len(names)), key=lambda i: _mesh_position(names[i]))
+    out = []
+    for block in range(math.prod(sizes)):
+        coords, rest = [], block
+        for size in reversed(sizes):
+            rest, c = divmod(rest, size)
+            coords.append(c)
+        coords.reverse()
+        index = 0
+        for i in mesh_order:
+            index = index * sizes[i] + coords[i]
+        out.append(index)
+    return out
+
+
+def _mesh_position(name: str) -> int:
+    """Position of a mesh axis among the current (abstract) mesh's axes."""
+    return jax.sharding.get_abstract_mesh().axis_names.index(name)
 
 
 def chain_sum(x: jax.Array, layout: ChainLayout) -> jax.Array:
