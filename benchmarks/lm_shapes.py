@@ -82,24 +82,38 @@ def megatron_specs(tree, model: str = "model", data: str | None = None) -> dict:
 
 
 def random_tree(tree, key: jax.Array, std: float = 1.0, device=None) -> dict:
-    """Normal(0, std) arrays of the tree's shapes and dtypes on ``device`` (default: the first)."""
+    """Normal(0, std) arrays of the tree's shapes and dtypes on ``device`` (default: the first).
+
+    One random vector is drawn and cut into the leaves (one small program to compile).
+    """
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if device is None else device)
     leaves, treedef = jax.tree.flatten(tree)
+    sizes = [math.prod(leaf.shape) for leaf in leaves]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
 
     def make(key):
-        keys = jax.random.split(key, len(leaves))
-        return jax.tree.unflatten(treedef, [
-            (std * jax.random.normal(k, leaf.shape, jnp.float32)).astype(leaf.dtype)
-            for k, leaf in zip(keys, leaves, strict=True)
-        ])
+        flat = std * jax.random.normal(key, (offsets[-1],), jnp.float32)
+        return jax.tree.unflatten(
+            treedef,
+            [
+                flat[start : start + size].reshape(leaf.shape).astype(leaf.dtype)
+                for start, size, leaf in zip(offsets, sizes, leaves, strict=False)
+            ],
+        )
 
     return jax.jit(make, out_shardings=sharding)(key)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Adds ``--scale`` and ``--layers`` (the tensor set's size) to a benchmark's parser."""
-    parser.add_argument("--scale", type=float, default=1.0,
-                        help="width multiplier of the LM-shaped tensors (1: ~335M parameters)")
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="width multiplier of the LM-shaped tensors (1: ~335M parameters)",
+    )
     parser.add_argument("--layers", type=int, default=24, help="number of layers")
 
 

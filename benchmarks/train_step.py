@@ -45,24 +45,41 @@ from sonew_pax.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "train_step.json"
-OPTIMIZERS = ("adamw", "adafactor", "sonew_diag", "sonew_tridiag", "sonew_band4",
-              "sonew_tridiag_bf16")
-COLUMNS = ("optimizer", "step_ms", "step_ms_min", "ratio_vs_adamw", "peak_memory_gib",
-           "memory_ratio_vs_adamw", "first_step_s", "loss")
+OPTIMIZERS = (
+    "adamw",
+    "adafactor",
+    "sonew_diag",
+    "sonew_tridiag",
+    "sonew_band4",
+    "sonew_tridiag_bf16",
+)
+COLUMNS = (
+    "optimizer",
+    "step_ms",
+    "step_ms_min",
+    "ratio_vs_adamw",
+    "peak_memory_gib",
+    "memory_ratio_vs_adamw",
+    "first_step_s",
+    "loss",
+)
 BANDS = {"sonew_diag": 0, "sonew_tridiag": 1, "sonew_band4": 4, "sonew_tridiag_bf16": 1}
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.1
 
 
-def load_model_config(model: str, dtype: str | None) -> TransformerConfig:
-    """``configs/models/<model>.gin``'s TransformerConfig, with the compute dtype overridden."""
+def load_model_config(
+    model: str, dtype: str | None, layers: int | None = None
+) -> TransformerConfig:
+    """``configs/models/<model>.gin``'s TransformerConfig; ``dtype``/``layers`` override it."""
     import gin
 
     gin.clear_config()
     gin.parse_config_file(str(ROOT / "configs" / "models" / f"{model}.gin"))
     config = gin.get_configurable(TransformerConfig)()
     gin.clear_config()
-    return config if dtype is None else dataclasses.replace(config, dtype=dtype)
+    overrides = {"dtype": dtype, "num_layers": layers}
+    return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
 def _matrices(params):
@@ -122,15 +139,21 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     optimizer = optimizer_factory(name, args.unsharded_optimizer)
     if optimizer is None:
         return {"optimizer": name, "skipped": "sonew has no momentum_dtype option"}
-    config = load_model_config(args.model, args.dtype)
+    config = load_model_config(args.model, args.dtype, args.layers)
     mesh = partitioning.make_mesh(devices=jax.devices()[:1])
     rules = partitioning.logical_axis_rules()
-    trainer = Trainer(Transformer(config), optimizer, optax.constant_schedule(LEARNING_RATE),
-                      mesh, rules, (args.batch_size, args.seq_len), seed=0)
+    trainer = Trainer(
+        Transformer(config),
+        optimizer,
+        optax.constant_schedule(LEARNING_RATE),
+        mesh,
+        rules,
+        (args.batch_size, args.seq_len),
+        seed=0,
+    )
     with partitioning.axis_rules_context(mesh, rules):
         state = trainer.init_state(0)
-        batch = trainer.global_batch(random_batch(config.vocab_size, args.batch_size,
-                                                  args.seq_len))
+        batch = trainer.global_batch(random_batch(config.vocab_size, args.batch_size, args.seq_len))
         start = time.perf_counter()
         carry = jax.block_until_ready(trainer.train_step(state, batch))
         first_step_s = time.perf_counter() - start
@@ -152,12 +175,27 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
 def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
     """Command line that runs one optimizer's measurement in a fresh Python process."""
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--row_out",
-            str(row_out), "--model", args.model, "--batch_size", str(args.batch_size),
-            "--seq_len", str(args.seq_len), "--warmup", str(args.warmup), "--iters",
-            str(args.iters)]
-    if args.dtype is not None:
-        argv += ["--dtype", args.dtype]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--row_out",
+        str(row_out),
+        "--model",
+        args.model,
+        "--batch_size",
+        str(args.batch_size),
+        "--seq_len",
+        str(args.seq_len),
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+    ]
+    for flag in ("dtype", "layers"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", str(getattr(args, flag))]
     if args.unsharded_optimizer:
         argv.append("--unsharded_optimizer")
     return argv
@@ -167,8 +205,9 @@ def run_isolated(name: str, args: argparse.Namespace) -> dict:
     """`run_one` in a subprocess (fresh peak-memory counter); a failure becomes an error row."""
     with tempfile.TemporaryDirectory() as tmp:
         row_out = Path(tmp) / "row.json"
-        proc = subprocess.run(child_argv(name, args, row_out), capture_output=True, text=True,
-                              check=False)
+        proc = subprocess.run(
+            child_argv(name, args, row_out), capture_output=True, text=True, check=False
+        )
         if proc.returncode == 0 and row_out.is_file():
             return json.loads(row_out.read_text())
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-20:]
@@ -191,18 +230,32 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="350m", help="a config in configs/models/ (e.g. tiny)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                   help="compute dtype (parameters stay float32)")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="compute dtype (parameters stay float32)",
+    )
+    p.add_argument("--layers", type=int, help="override the config's number of layers")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=1024)
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    p.add_argument(
+        "--optimizers",
+        default=",".join(OPTIMIZERS),
+        help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     p.add_argument("--iters", type=int, default=20, help="timed steps; the median is reported")
-    p.add_argument("--unsharded_optimizer", action="store_true",
-                   help="build SONew without the trainer's (one-device) mesh: no shard_map")
-    p.add_argument("--no_isolate", action="store_true",
-                   help="run every optimizer in this process (peak memory then accumulates)")
+    p.add_argument(
+        "--unsharded_optimizer",
+        action="store_true",
+        help="build SONew without the trainer's (one-device) mesh: no shard_map",
+    )
+    p.add_argument(
+        "--no_isolate",
+        action="store_true",
+        help="run every optimizer in this process (peak memory then accumulates)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--row_out", type=Path, help=argparse.SUPPRESS)
@@ -231,14 +284,24 @@ def main(argv=None) -> dict:
         "device": measured[0]["device"] if measured else None,
         "date": common.utc_date(),
         "params": measured[0]["params"] if measured else None,
-        "config": {"model": args.model, "dtype": args.dtype, "batch_size": args.batch_size,
-                   "seq_len": args.seq_len, "warmup": args.warmup, "iters": args.iters,
-                   "unsharded_optimizer": args.unsharded_optimizer,
-                   "isolated": not args.no_isolate, "jax": jax.__version__},
+        "config": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "layers": args.layers,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "unsharded_optimizer": args.unsharded_optimizer,
+            "isolated": not args.no_isolate,
+            "jax": jax.__version__,
+        },
         "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
     }
-    print(f"\n{result['device']}, model {args.model} ({result['params']} parameters), "
-          f"batch {args.batch_size} x {args.seq_len}, median of {args.iters} steps\n")
+    print(
+        f"\n{result['device']}, model {args.model} ({result['params']} parameters), "
+        f"batch {args.batch_size} x {args.seq_len}, median of {args.iters} steps\n"
+    )
     print(common.format_table(result["rows"], COLUMNS))
     common.write_json(args.out, result)
     return result

@@ -37,8 +37,7 @@ from sonew_pax import optim
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "update_speed.json"
 OPTIMIZERS = ("adamw", "sonew_diag", "sonew_tridiag", "sonew_band4", "sonew_tridiag_bf16")
-COLUMNS = ("optimizer", "ms", "ms_min", "ratio_vs_adamw", "gbps", "bytes_per_param",
-           "floor_ratio")
+COLUMNS = ("optimizer", "ms", "ms_min", "ratio_vs_adamw", "gbps", "bytes_per_param", "floor_ratio")
 # Names an off-diagonal dtype option might have; the first one sonew accepts is used.
 OFFDIAG_DTYPE_NAMES = ("offdiag_dtype", "off_diagonal_dtype", "e_dtype", "band_dtype")
 LEARNING_RATE = 1e-4
@@ -69,14 +68,24 @@ def make_optimizer(name: str) -> optax.GradientTransformation | None:
     return optim.sonew(LEARNING_RATE, band=bands[name], weight_decay=WEIGHT_DECAY, **extra)
 
 
-def make_update(tx: optax.GradientTransformation) -> Callable:
-    """Jitted ``(params, state, grads) -> (params, state)``, params and state donated."""
+def make_update(tx: optax.GradientTransformation, **jit_kwargs) -> Callable:
+    """Jitted ``(params, state, grads) -> (params, state)``, params and state donated.
+
+    ``jit_kwargs`` (e.g. ``in_shardings``, ``out_shardings``) go to ``jax.jit``.
+    """
 
     def update(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return jax.jit(update, donate_argnums=(0, 1))
+    return jax.jit(update, donate_argnums=(0, 1), **jit_kwargs)
+
+
+def init_state(tx: optax.GradientTransformation, params):
+    """``tx.init(params)`` committed to the first device (else the first update compiles twice:
+    once for the uncommitted state and once for its committed output)."""
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return jax.jit(tx.init, out_shardings=device)(params)
 
 
 def nbytes(tree) -> int:
@@ -92,7 +101,7 @@ def floor_bytes(params_shape, state_shape) -> int:
 def time_optimizer(tx, shapes, grads, args) -> tuple[float, float, int]:
     """(median ms, min ms, floor bytes) of ``tx``'s donated update on fresh random parameters."""
     params = lm_shapes.random_tree(shapes, jax.random.key(1))
-    state = jax.jit(tx.init)(params)
+    state = init_state(tx, params)
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
     update = make_update(tx)
     median, times, _ = common.time_steps(
@@ -109,15 +118,22 @@ def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, floa
     buffers = [jax.random.normal(jax.random.fold_in(key, i), (n,)) for i, n in enumerate(sizes)]
     scale = jnp.float32(1.0)
     copy = jax.jit(lambda xs, s: [x * s for x in xs], donate_argnums=0)
-    median, times, _ = common.time_steps(lambda xs: copy(xs, scale), buffers, args.warmup,
-                                         args.iters)
+    median, times, _ = common.time_steps(
+        lambda xs: copy(xs, scale), buffers, args.warmup, args.iters
+    )
     return median, min(times)
 
 
 def make_row(name: str, ms: float, ms_min: float, moved: int, n: int) -> dict:
     """One table row before the ratios (filled in by `add_ratios`)."""
-    return {"optimizer": name, "ms": ms, "ms_min": ms_min, "gbps": moved / ms / 1e6,
-            "bytes_per_param": moved / n, "_bytes": moved}
+    return {
+        "optimizer": name,
+        "ms": ms,
+        "ms_min": ms_min,
+        "gbps": moved / ms / 1e6,
+        "bytes_per_param": moved / n,
+        "_bytes": moved,
+    }
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -136,8 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     lm_shapes.add_args(p)
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS),
-                   help=f"comma-separated subset of {','.join(OPTIMIZERS)}")
+    p.add_argument(
+        "--optimizers",
+        default=",".join(OPTIMIZERS),
+        help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
+    )
     p.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation included)")
     p.add_argument("--iters", type=int, default=50, help="timed steps; the median is reported")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
@@ -169,8 +188,13 @@ def main(argv=None) -> dict:
         "device": common.device_name(),
         "date": common.utc_date(),
         "params": n,
-        "config": {"scale": args.scale, "layers": args.layers, "warmup": args.warmup,
-                   "iters": args.iters, "jax": jax.__version__},
+        "config": {
+            "scale": args.scale,
+            "layers": args.layers,
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "jax": jax.__version__,
+        },
         "rows": rows,
     }
     print(f"\n{result['device']}, {n / 1e6:.1f}M parameters, median of {args.iters} steps\n")

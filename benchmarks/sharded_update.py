@@ -1,0 +1,241 @@
+"""Sharded SONew update on N devices against the one-device update: same numbers, time per step.
+
+The ~335M LM-shaped parameters of `lm_shapes` (``--scale`` shrinks them) are updated by
+``sonew(..., mesh=mesh, param_specs=specs)`` under ``jax.jit`` with the parameters, gradients and
+state sharded by ``specs`` (state specs from `sonew_pax.optim.state_partition_specs`) and params and
+state donated. Variants:
+
+- ``model``: mesh ``data=1 x model=N``, Megatron specs (attention q/k/v and MLP-in split by
+  column, attention-out and MLP-out by row, embedding by vocabulary row, norms replicated);
+- ``data_model``: mesh ``data=D x model=N/D`` (``--data``), each matrix's other dimension also
+  split over ``data`` (2-D).
+
+For each band the one-device update (device 0, no mesh) and each sharded variant start from the
+same parameters and state; after ``--check_steps`` steps every parameter and state array is
+compared (``max_rel_diff`` = max over arrays of max|sharded - single| / max|single|). Then both are
+timed (``--warmup`` untimed steps, median of ``--iters``). Scaling efficiency = t1 / (N * tN): 1 is
+ideal N-fold scaling. The compiled sharded update's collectives are counted from its HLO text.
+
+Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json``)
+``{"device", "date", "params", "devices", "config", "rows": [{"band", "variant", "mesh", "specs",
+"ms_1dev", "ms_sharded", "speedup", "scaling_efficiency", "max_rel_diff", "equal",
+"collectives"}]}``.
+
+Usage: ``python benchmarks/sharded_update.py [--devices 2] [--bands 1] [--scale 1]``. On CPU,
+simulate devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import lm_shapes
+import update_speed
+
+from sonew_pax import optim
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sharded_update.json"
+VARIANTS = ("model", "data_model")
+COLUMNS = (
+    "band",
+    "variant",
+    "mesh",
+    "ms_1dev",
+    "ms_sharded",
+    "speedup",
+    "scaling_efficiency",
+    "max_rel_diff",
+    "equal",
+)
+COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
+LEARNING_RATE = 1e-4
+WEIGHT_DECAY = 0.1
+
+
+def make_sonew(band: int, mesh: Mesh | None = None, specs=None):
+    """The SONew optimizer of this benchmark (sharded when ``mesh`` and ``specs`` are given)."""
+    return optim.sonew(
+        LEARNING_RATE, band=band, weight_decay=WEIGHT_DECAY, mesh=mesh, param_specs=specs
+    )
+
+
+def make_mesh(devices: list, data: int) -> Mesh:
+    """A ``(data, model)`` mesh over ``devices`` with ``data`` rows."""
+    return Mesh(np.asarray(devices).reshape(data, len(devices) // data), ("data", "model"))
+
+
+def named(mesh: Mesh, specs):
+    """A tree of PartitionSpecs -> the same tree of NamedShardings on ``mesh``."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def copy_tree(tree):
+    """A fresh copy of every array (so that donating one copy leaves the other intact)."""
+    return jax.tree.map(jnp.copy, tree)
+
+
+def count_collectives(hlo_text: str) -> dict[str, int]:
+    """How many instructions of each collective kind the compiled HLO holds."""
+    return {name: len(re.findall(rf"\s{name}(-start)?\(", hlo_text)) for name in COLLECTIVES}
+
+
+def max_rel_diff(sharded, single) -> float:
+    """Max over arrays of max|sharded - single| / max|single| (single moved to the sharding)."""
+    single = jax.device_put(single, jax.tree.map(lambda a: a.sharding, sharded))
+
+    @jax.jit
+    def per_array(a_tree, b_tree):
+        def one(a, b):
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+            scale = jnp.max(jnp.abs(b))
+            return jnp.max(jnp.abs(a - b)) / jnp.where(scale > 0, scale, 1.0)
+
+        return jax.tree.map(one, a_tree, b_tree)
+
+    return max((float(x) for x in jax.tree.leaves(per_array(sharded, single))), default=0.0)
+
+
+def run_steps(update, carry, grads, steps: int):
+    """``steps`` donated updates from ``carry = (params, state)``."""
+    for _ in range(steps):
+        carry = update(*carry, grads)
+    return jax.block_until_ready(carry)
+
+
+def single_device(band: int, shapes, args) -> tuple[tuple, float]:
+    """The unsharded reference: (params, state) after ``check_steps``, and its median ms."""
+    tx = make_sonew(band)
+    params = lm_shapes.random_tree(shapes, jax.random.key(1))
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
+    update = update_speed.make_update(tx)
+    state = update_speed.init_state(tx, params)
+    reference = run_steps(update, (params, state), grads, args.check_steps)
+    median, _, _ = common.time_steps(
+        lambda c: update(*c, grads), copy_tree(reference), args.warmup, args.iters
+    )
+    return reference, median
+
+
+def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, dict]:
+    """The sharded update: (params, state) after ``check_steps``, median ms, collective counts."""
+    tx = make_sonew(band, mesh, specs)
+    param_sh = named(mesh, specs)
+    state_sh = named(mesh, optim.state_partition_specs(jax.eval_shape(tx.init, shapes), specs))
+    params = jax.device_put(lm_shapes.random_tree(shapes, jax.random.key(1)), param_sh)
+    grads = jax.device_put(lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3), param_sh)
+    state = jax.jit(tx.init, out_shardings=state_sh)(params)
+    update = update_speed.make_update(
+        tx, in_shardings=(param_sh, state_sh, param_sh), out_shardings=(param_sh, state_sh)
+    )
+    compiled = update.lower(params, state, grads).compile()
+    after = run_steps(compiled, (params, state), grads, args.check_steps)
+    median, _, _ = common.time_steps(
+        lambda c: compiled(*c, grads), copy_tree(after), args.warmup, args.iters
+    )
+    return after, median, count_collectives(compiled.as_text())
+
+
+def variant_mesh(variant: str, devices: list, data: int) -> tuple[Mesh, str]:
+    """The mesh of a variant and a name for it."""
+    rows = 1 if variant == "model" else data
+    if len(devices) % rows:
+        raise SystemExit(f"--data {data} does not divide the {len(devices)} devices")
+    mesh = make_mesh(devices, rows)
+    return mesh, f"data={mesh.shape['data']} x model={mesh.shape['model']}"
+
+
+def bench_band(band: int, shapes, devices: list, args) -> list[dict]:
+    """Rows (one per variant) for one band."""
+    reference, ms_1dev = single_device(band, shapes, args)
+    print(f"band {band}: 1 device {ms_1dev:.3f} ms", flush=True)
+    rows = []
+    for variant in args.variants.split(","):
+        mesh, mesh_name = variant_mesh(variant, devices, args.data)
+        data_axis = "data" if variant == "data_model" else None
+        specs = lm_shapes.megatron_specs(shapes, "model", data_axis)
+        after, ms, collectives = sharded(band, shapes, mesh, specs, args)
+        diff = max_rel_diff(after, reference)
+        del after
+        rows.append(
+            {
+                "band": band,
+                "variant": variant,
+                "mesh": mesh_name,
+                "specs": "megatron" if data_axis is None else "megatron x data (2-D)",
+                "ms_1dev": ms_1dev,
+                "ms_sharded": ms,
+                "speedup": ms_1dev / ms,
+                "scaling_efficiency": ms_1dev / (len(devices) * ms),
+                "max_rel_diff": diff,
+                "equal": diff <= args.tol,
+                "collectives": collectives,
+            }
+        )
+        print(f"band {band} {variant} ({mesh_name}): {ms:.3f} ms, rel diff {diff:.2e}", flush=True)
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    lm_shapes.add_args(p)
+    p.add_argument("--devices", type=int, default=0, help="devices to shard over (0: all)")
+    p.add_argument("--data", type=int, default=2, help="data-axis size of the data_model variant")
+    p.add_argument("--bands", default="1", help="comma-separated SONew bands, e.g. 0,1,4")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="model and/or data_model")
+    p.add_argument("--check_steps", type=int, default=3, help="steps before the comparison")
+    p.add_argument("--tol", type=float, default=1e-5, help="max_rel_diff counted as equal")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps")
+    p.add_argument("--iters", type=int, default=30, help="timed steps; the median is reported")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object."""
+    args = parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    devices = jax.devices()[: args.devices or None]
+    shapes = lm_shapes.from_args(args)
+    rows = []
+    for band in (int(b) for b in args.bands.split(",")):
+        rows += bench_band(band, shapes, devices, args)
+    result = {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "params": lm_shapes.count(shapes),
+        "devices": len(devices),
+        "config": {
+            "scale": args.scale,
+            "layers": args.layers,
+            "check_steps": args.check_steps,
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "tol": args.tol,
+            "jax": jax.__version__,
+        },
+        "rows": rows,
+    }
+    print(
+        f"\n{result['device']} x {len(devices)}, {result['params'] / 1e6:.1f}M parameters, "
+        f"median of {args.iters} steps\n"
+    )
+    print(common.format_table(rows, COLUMNS))
+    common.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

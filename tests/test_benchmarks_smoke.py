@@ -1,0 +1,140 @@
+"""Smoke tests of the speed benchmarks at a tiny scale on CPU: they run and write their schema.
+
+No timing is asserted. The 8 simulated CPU devices come from conftest.py.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import lm_shapes
+import sharded_update
+import train_step
+import update_speed
+
+TINY = ["--scale", "0.03125", "--layers", "1"]
+
+
+def _finite(x) -> bool:
+    return isinstance(x, float) and math.isfinite(x)
+
+
+def _read(path: Path, returned: dict) -> dict:
+    written = json.loads(path.read_text())
+    assert written == json.loads(json.dumps(returned))
+    assert {"device", "date", "params", "rows"} <= written.keys()
+    return written
+
+
+def test_lm_shapes_full_size_and_specs():
+    shapes = lm_shapes.lm_shapes()
+    assert 300e6 < lm_shapes.count(shapes) < 350e6
+    layer = shapes["layer_00"]
+    assert layer["query"].shape == (1024, 1024) and layer["mlp_in"].shape == (1024, 4096)
+    specs = lm_shapes.megatron_specs(shapes, "model", "data")
+    assert jax.tree.structure(
+        specs, is_leaf=lambda s: isinstance(s, jax.sharding.PartitionSpec)
+    ) == jax.tree.structure(shapes)
+    assert specs["layer_00"]["out"] == jax.sharding.PartitionSpec("model", "data")
+
+
+def test_update_speed_schema(tmp_path):
+    out = tmp_path / "update_speed.json"
+    argv = [*TINY, "--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "2"]
+    written = _read(out, update_speed.main([*argv, "--out", str(out)]))
+    rows = {row["optimizer"]: row for row in written["rows"]}
+    assert set(rows) == {"copy", "adamw", "sonew_tridiag"}
+    for row in rows.values():
+        assert all(_finite(row[k]) for k in ("ms", "ratio_vs_adamw", "gbps", "floor_ratio"))
+    assert rows["adamw"]["ratio_vs_adamw"] == 1.0
+    assert abs(rows["adamw"]["bytes_per_param"] - 28) < 0.01
+    assert abs(rows["sonew_tridiag"]["bytes_per_param"] - 36) < 0.1
+
+
+def test_train_step_schema(tmp_path):
+    out = tmp_path / "train_step.json"
+    argv = [
+        "--model",
+        "tiny",
+        "--layers",
+        "1",
+        "--batch_size",
+        "2",
+        "--seq_len",
+        "16",
+        "--dtype",
+        "float32",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--optimizers",
+        "adamw,sonew_diag",
+        "--no_isolate",
+    ]
+    written = _read(out, train_step.main([*argv, "--out", str(out)]))
+    assert [row["optimizer"] for row in written["rows"]] == ["adamw", "sonew_diag"]
+    for row in written["rows"]:
+        assert _finite(row["step_ms"]) and _finite(row["ratio_vs_adamw"]) and _finite(row["loss"])
+        assert "peak_memory_gib" in row  # None on CPU
+
+
+def test_train_step_child_argv_round_trips(tmp_path):
+    args = train_step.parse_args(
+        [
+            "--model",
+            "tiny",
+            "--batch_size",
+            "3",
+            "--seq_len",
+            "8",
+            "--unsharded_optimizer",
+            "--iters",
+            "4",
+            "--layers",
+            "1",
+        ]
+    )
+    child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
+    assert child.worker == "adamw" and child.row_out == tmp_path / "r.json"
+    for name in (
+        "model",
+        "dtype",
+        "layers",
+        "batch_size",
+        "seq_len",
+        "warmup",
+        "iters",
+        "unsharded_optimizer",
+    ):
+        assert getattr(child, name) == getattr(args, name)
+
+
+def test_sharded_update_schema_and_equality(tmp_path):
+    out = tmp_path / "sharded_update.json"
+    argv = [
+        *TINY,
+        "--devices",
+        "8",
+        "--data",
+        "2",
+        "--bands",
+        "1",
+        "--check_steps",
+        "1",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+    ]
+    written = _read(out, sharded_update.main([*argv, "--out", str(out)]))
+    assert written["devices"] == 8
+    assert [row["variant"] for row in written["rows"]] == ["model", "data_model"]
+    for row in written["rows"]:
+        assert row["equal"] and row["max_rel_diff"] <= 1e-5
+        assert _finite(row["scaling_efficiency"]) and _finite(row["ms_sharded"])
+        assert row["collectives"]["all-gather"] == 0 and row["collectives"]["all-to-all"] == 0
