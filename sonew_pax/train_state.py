@@ -1,10 +1,10 @@
 """The training state, its partition specs, and its initialisation straight into its sharding.
 
 `TrainState` is ``(step, params, opt_state)``. Nothing here runs the model on real data: the
-state's shapes come from ``jax.eval_shape``, parameter specs (from the model's logical axis names,
-by `sonew_pax.partitioning`) are given, optimizer-state specs from
+state's shapes come from ``jax.eval_shape``; the parameter specs are given (derived from the
+model's logical axis names by `sonew_pax.partitioning`); the optimizer-state specs come from
 `sonew_pax.optim.state_partition_specs` (SONew state lives in its parameter's layout, so its spec
-is the parameter's), and the one real initialisation is a jitted function whose ``out_shardings``
+is the parameter's); and the one real initialisation is a jitted function whose ``out_shardings``
 are those specs, so no array is ever materialised whole on one device.
 """
 
