@@ -201,18 +201,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    """Runs the benchmark, prints the table, writes and returns the JSON object."""
-    args = parse_args(argv)
-    unknown = set(args.variants.split(",")) - set(VARIANTS)
-    if unknown:
-        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
-    devices = jax.devices()[: args.devices or None]
-    shapes = lm_shapes.from_args(args)
-    rows = []
-    for band in (int(b) for b in args.bands.split(",")):
-        rows += bench_band(band, shapes, devices, args)
-    result = {
+def build_result(rows: list[dict], shapes, devices: list, args: argparse.Namespace) -> dict:
+    """The JSON object for the rows measured so far."""
+    return {
         "device": common.device_name(),
         "date": common.utc_date(),
         "params": lm_shapes.count(shapes),
@@ -228,12 +219,29 @@ def main(argv=None) -> dict:
         },
         "rows": rows,
     }
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object.
+
+    The JSON is rewritten after every band, so a run cut short keeps what it measured.
+    """
+    args = parse_args(argv)
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {VARIANTS}")
+    devices = jax.devices()[: args.devices or None]
+    shapes = lm_shapes.from_args(args)
+    rows = []
+    for band in (int(b) for b in args.bands.split(",")):
+        rows += bench_band(band, shapes, devices, args)
+        result = build_result(rows, shapes, devices, args)
+        common.write_json(args.out, result)
     print(
         f"\n{result['device']} x {len(devices)}, {result['params'] / 1e6:.1f}M parameters, "
         f"median of {args.iters} steps\n"
     )
     print(common.format_table(rows, COLUMNS))
-    common.write_json(args.out, result)
     return result
 
 

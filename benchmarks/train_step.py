@@ -262,25 +262,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> dict:
-    """Runs the benchmark, prints the table, writes and returns the JSON object."""
-    args = parse_args(argv)
-    if args.worker:
-        common.write_json(args.row_out, run_one(args.worker, args))
-        return {}
-    names = [n for n in args.optimizers.split(",") if n]
-    unknown = set(names) - set(OPTIMIZERS)
-    if unknown:
-        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
-    rows = []
-    for name in names:
-        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
-        status = row.get("skipped") or row.get("error") or f"{row['step_ms']:.2f} ms"
-        print(f"{name}: {status}", flush=True)
-        rows.append(row)
-    rows = add_ratios(rows)
+def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
+    """The JSON object for the rows measured so far (ratios filled in)."""
+    rows = add_ratios([dict(r) for r in rows])
     measured = [r for r in rows if "device" in r]
-    result = {
+    return {
         "device": measured[0]["device"] if measured else None,
         "date": common.utc_date(),
         "params": measured[0]["params"] if measured else None,
@@ -298,12 +284,34 @@ def main(argv=None) -> dict:
         },
         "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
     }
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object.
+
+    The JSON is rewritten after every optimizer, so a run cut short keeps what it measured.
+    """
+    args = parse_args(argv)
+    if args.worker:
+        common.write_json(args.row_out, run_one(args.worker, args))
+        return {}
+    names = [n for n in args.optimizers.split(",") if n]
+    unknown = set(names) - set(OPTIMIZERS)
+    if unknown or not names:
+        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
+    rows = []
+    for name in names:
+        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
+        status = row.get("skipped") or row.get("error") or f"{row['step_ms']:.2f} ms"
+        print(f"{name}: {status}", flush=True)
+        rows.append(row)
+        result = build_result(rows, args)
+        common.write_json(args.out, result)
     print(
         f"\n{result['device']}, model {args.model} ({result['params']} parameters), "
         f"batch {args.batch_size} x {args.seq_len}, median of {args.iters} steps\n"
     )
     print(common.format_table(result["rows"], COLUMNS))
-    common.write_json(args.out, result)
     return result
 
 

@@ -137,15 +137,18 @@ def make_row(name: str, ms: float, ms_min: float, moved: int, n: int) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Fills ``ratio_vs_adamw`` and ``floor_ratio`` (against the copy's bandwidth)."""
+    """Output rows: ``ratio_vs_adamw`` and ``floor_ratio`` (against the copy's bandwidth) added."""
     by_name = {row["optimizer"]: row for row in rows}
     adamw = by_name.get("adamw")
     copy_gbps = by_name["copy"]["gbps"]
+    out = []
     for row in rows:
+        row = dict(row)
         moved = row.pop("_bytes")
         row["ratio_vs_adamw"] = row["ms"] / adamw["ms"] if adamw else None
         row["floor_ratio"] = row["ms"] / (moved / copy_gbps / 1e6)
-    return rows
+        out.append(row)
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -163,8 +166,28 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def build_result(rows: list[dict], n: int, args: argparse.Namespace) -> dict:
+    """The JSON object for the rows measured so far."""
+    return {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "params": n,
+        "config": {
+            "scale": args.scale,
+            "layers": args.layers,
+            "warmup": args.warmup,
+            "iters": args.iters,
+            "jax": jax.__version__,
+        },
+        "rows": add_ratios(rows),
+    }
+
+
 def main(argv=None) -> dict:
-    """Runs the benchmark, prints the table, writes and returns the JSON object."""
+    """Runs the benchmark, prints the table, writes and returns the JSON object.
+
+    The JSON is rewritten after every optimizer, so a run cut short keeps what it measured.
+    """
     args = parse_args(argv)
     names = [n for n in args.optimizers.split(",") if n]
     unknown = set(names) - set(OPTIMIZERS)
@@ -183,22 +206,10 @@ def main(argv=None) -> dict:
         ms, ms_min, moved = time_optimizer(tx, shapes, grads, args)
         rows.append(make_row(name, ms, ms_min, moved, n))
         print(f"{name}: {ms:.3f} ms", flush=True)
-    rows = add_ratios(rows)
-    result = {
-        "device": common.device_name(),
-        "date": common.utc_date(),
-        "params": n,
-        "config": {
-            "scale": args.scale,
-            "layers": args.layers,
-            "warmup": args.warmup,
-            "iters": args.iters,
-            "jax": jax.__version__,
-        },
-        "rows": rows,
-    }
+        common.write_json(args.out, build_result(rows, n, args))
+    result = build_result(rows, n, args)
     print(f"\n{result['device']}, {n / 1e6:.1f}M parameters, median of {args.iters} steps\n")
-    print(common.format_table(rows, COLUMNS))
+    print(common.format_table(result["rows"], COLUMNS))
     common.write_json(args.out, result)
     return result
 
