@@ -301,7 +301,12 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     rows = []
     for name in names:
-        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
+        if optimizer_factory(name, args.unsharded_optimizer) is None:
+            row = {"optimizer": name, "skipped": "sonew has no momentum_dtype option"}
+        elif args.no_isolate:
+            row = run_one(name, args)
+        else:
+            row = run_isolated(name, args)
         status = row.get("skipped") or row.get("error") or f"{row['step_ms']:.2f} ms"
         print(f"{name}: {status}", flush=True)
         rows.append(row)
