@@ -68,8 +68,9 @@ def test_sharded_equals_unsharded(x64, mesh_shape, band):
     ]
     kwargs = dict(band=band, gamma=1e-6, precondition_1d=True, stats_dtype=jnp.float64)
     expect, _ = run(sonew(0.1, **kwargs), params, grads_seq)
-    got, state = run(sonew(0.1, mesh=mesh, param_specs=specs, **kwargs), params, grads_seq, mesh,
-                     specs)
+    got, state = run(
+        sonew(0.1, mesh=mesh, param_specs=specs, **kwargs), params, grads_seq, mesh, specs
+    )
     for e_step, g_step in zip(expect, got, strict=True):
         for k in params:
             e, g = np.asarray(e_step[k]), np.asarray(g_step[k])
@@ -82,3 +83,93 @@ def test_sharded_equals_unsharded(x64, mesh_shape, band):
         if band:
             band_sharding = NamedSharding(mesh, P(None, *spec))
             assert sonew_state.e[k].sharding.is_equivalent_to(band_sharding, ndim + 1)
+
+
+def test_compiled_update_has_no_gathers():
+    """Only collective-permutes (halos) and all-reduces (grafting norms): nothing is gathered."""
+    params, specs = case((2, 4))
+    mesh = make_mesh((2, 4))
+    tx = sonew(0.1, band=2, mesh=mesh, param_specs=specs)
+    state = jax.eval_shape(tx.init, params)
+    shardings = lambda tree, sp: jax.tree.map(lambda s: NamedSharding(mesh, s), sp)  # noqa: E731
+    state_shardings = shardings(state, state_partition_specs(state, specs))
+    step = jax.jit(
+        lambda p, s, g: tx.update(g, s, p),
+        in_shardings=(shardings(params, specs), state_shardings, shardings(params, specs)),
+        out_shardings=(shardings(params, specs), state_shardings),
+    )
+    hlo = step.lower(params, state, params).compile().as_text()
+    assert "collective-permute" in hlo and "all-reduce" in hlo
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+def test_state_partition_specs_for_chains_and_abstract_states():
+    params, specs = case((2, 4))
+    tx = optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.inject_hyperparams(optax.adamw)(learning_rate=1e-3),
+        sonew(1e-3, band=2),
+    )
+    abstract = jax.eval_shape(tx.init, params)
+    out = state_partition_specs(abstract, specs)
+    _, adamw_state, (sonew_state, *_) = out
+    assert adamw_state.inner_state[0].mu == specs
+    assert adamw_state.hyperparams["learning_rate"] == P()
+    assert sonew_state.count == P() and sonew_state.m == specs
+    assert sonew_state.e["rows"] == P(None, "data", None)
+    assert isinstance(sonew_state.e["rep"], P) and sonew_state.e["rep"] == P(None)
+    real = state_partition_specs(tx.init(params), specs)
+    assert jax.tree.structure(real) == jax.tree.structure(out)
+
+
+def test_state_moves_between_meshes(x64):
+    """A state saved from a 2x4 mesh continues identically on 4x2 (and unsharded)."""
+    params, _ = case((2, 4))
+    params = {k: v for k, v in params.items() if k in ("both", "rep")}  # shapes valid on both
+    mesh_a, mesh_b = make_mesh((2, 4)), make_mesh((4, 2))
+    specs_a = {"both": P("data", "model"), "rep": P()}
+    specs_b = {"both": P("model", "data"), "rep": P()}
+    rng = np.random.default_rng(0)
+    grads = [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(4)
+    ]
+    kw = dict(band=2, stats_dtype=jnp.float64)
+    tx_a = sonew(0.1, mesh=mesh_a, param_specs=specs_a, **kw)
+    tx_b = sonew(0.1, mesh=mesh_b, param_specs=specs_b, **kw)
+    _, state = run(tx_a, params, grads[:2], mesh_a, specs_a)
+    saved = jax.device_get(state)  # what a checkpoint holds
+    expect, _ = run_from(sonew(0.1, **kw), params, saved, grads[2:])
+    got, _ = run_from(tx_b, params, saved, grads[2:], mesh_b, specs_b)
+    for e, g in zip(expect, got, strict=True):
+        for k in params:
+            np.testing.assert_allclose(np.asarray(g[k]), np.asarray(e[k]), rtol=1e-10)
+
+
+def run_from(tx, params, state, grads_seq, mesh=None, specs=None):
+    if mesh is not None:
+        state_specs = state_partition_specs(state, specs)
+        state = jax.tree.map(
+            lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, state_specs
+        )
+    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    outs = []
+    for g in grads_seq:
+        updates, state = step(params, state, g)
+        outs.append(updates)
+    return outs, state
+
+
+@pytest.mark.parametrize(
+    ("specs", "message"),
+    [
+        ({"w": P("data", None, None)}, r"\['w'\].*rank 2"),
+        ({"w": P("model", None)}, r"\['w'\].*dimension 0 of size 6 is not divisible by its 4"),
+        ({"w": P("expert", None)}, r"\['w'\].*unknown|\['w'\].*'expert'"),
+    ],
+)
+def test_bad_specs_name_the_parameter(specs, message):
+    mesh = make_mesh((2, 4))
+    params = {"w": jnp.ones((6, 4))}
+    tx = sonew(0.1, mesh=mesh, param_specs=specs)
+    with pytest.raises(ValueError, match=message):
+        tx.update(params, tx.init(params), params)
