@@ -10,8 +10,9 @@ Rules kept here:
   mesh or device count restores on another.
 - A checkpoint that fails to restore is reported (a warning naming it), renamed to
   ``checkpoint_<step>.corrupt`` (kept for inspection, invisible to the manager), and the previous
-  one is used. Nothing is ever deleted except by the ``keep`` limit, and no existing checkpoint
-  is overwritten.
+  one is used. A save that never finished (orbax's temporary directory) is reported and renamed
+  ``checkpoint_<step>.partial``. Nothing is ever deleted except by the ``keep`` limit, and no
+  existing checkpoint is overwritten.
 - SIGTERM (preemption) sets a flag; the training loop saves at its current step and exits.
 """
 
@@ -30,6 +31,8 @@ from sonew_pax.train_state import TrainState
 
 STEP_PREFIX = "checkpoint"
 CORRUPT_SUFFIX = ".corrupt"
+PARTIAL_SUFFIX = ".partial"
+ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 
 
 def checkpoint_dir(model_dir: str | pathlib.Path, step: int) -> pathlib.Path:
@@ -37,13 +40,13 @@ def checkpoint_dir(model_dir: str | pathlib.Path, step: int) -> pathlib.Path:
     return pathlib.Path(model_dir) / f"{STEP_PREFIX}_{step}"
 
 
-def _quarantine_name(path: pathlib.Path) -> pathlib.Path:
-    """A free name ``<path>.corrupt`` (or ``.corrupt-1``, ``-2``, ...) next to ``path``."""
-    candidate = path.with_name(path.name + CORRUPT_SUFFIX)
+def _free_name(path: pathlib.Path, suffix: str) -> pathlib.Path:
+    """A free name ``<path><suffix>`` (or ``<suffix>-1``, ``-2``, ...) next to ``path``."""
+    candidate = path.with_name(path.name + suffix)
     index = 0
     while candidate.exists():
         index += 1
-        candidate = path.with_name(f"{path.name}{CORRUPT_SUFFIX}-{index}")
+        candidate = path.with_name(f"{path.name}{suffix}-{index}")
     return candidate
 
 
@@ -89,6 +92,19 @@ class Checkpoints:
         )
         return True
 
+    def _set_aside_partial_saves(self) -> None:
+        """Reports saves that never finished (killed mid-write) and renames them ``.partial``.
+
+        Orbax would otherwise delete such a directory when it saves that step again.
+        """
+        if jax.process_index() != 0:
+            return
+        for path in sorted(self.model_dir.glob(f"{STEP_PREFIX}_*{ORBAX_TMP_MARKER}*")):
+            name = path.name.split(ORBAX_TMP_MARKER)[0]
+            target = _free_name(path.with_name(name), PARTIAL_SUFFIX)
+            path.rename(target)
+            logging.warning("Unfinished checkpoint save %s ignored; moved to %s.", path, target)
+
     def restore_latest(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
         """The newest checkpoint that restores, onto ``target``'s shapes and shardings.
 
@@ -102,6 +118,7 @@ class Checkpoints:
           RuntimeError: when checkpoints exist but none restores (e.g. a different model): that
             is a configuration error, not corruption, and nothing is renamed.
         """
+        self._set_aside_partial_saves()
         failed: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
             try:
@@ -135,7 +152,7 @@ class Checkpoints:
         if steps and jax.process_index() == 0:
             for step in steps:
                 path = checkpoint_dir(self.model_dir, step)
-                target = _quarantine_name(path)
+                target = _free_name(path, CORRUPT_SUFFIX)
                 path.rename(target)
                 logging.warning("Moved unreadable checkpoint %s to %s.", path, target)
         if steps and jax.process_count() > 1:

@@ -4,6 +4,7 @@ checkpoints falling back to the previous one (kept, renamed aside), and the metr
 import json
 import logging
 import pathlib
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -137,3 +138,20 @@ def test_progress_line_and_durations():
         assert part in line
     assert metrics.format_duration(3725) == "1h02m05s"
     assert metrics.format_duration(65) == "1m05s"
+
+
+def test_unfinished_save_is_reported_and_kept_aside(tmp_path, mesh_2x4, caplog):
+    ckpts = checkpoints.Checkpoints(tmp_path)
+    ckpts.save(_state(5, mesh_2x4), {"step": 5})
+    ckpts.close()
+    torn = tmp_path / "checkpoint_10.orbax-checkpoint-tmp"  # a save killed mid-write
+    shutil.copytree(tmp_path / "checkpoint_5", torn)
+    ckpts = checkpoints.Checkpoints(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        _, data = ckpts.restore_latest(_target(mesh_2x4))
+    assert data == {"step": 5}
+    assert any(str(torn) in r.getMessage() for r in caplog.records)
+    assert (tmp_path / "checkpoint_10.partial" / "state").is_dir()
+    assert ckpts.save(_state(10, mesh_2x4), {"step": 10})  # the step is redone normally
+    ckpts.close()
+    assert checkpoints.Checkpoints(tmp_path).steps() == [5, 10]
