@@ -84,26 +84,23 @@ def megatron_specs(tree, model: str = "model", data: str | None = None) -> dict:
 def random_tree(tree, key: jax.Array, std: float = 1.0, device=None) -> dict:
     """Normal(0, std) arrays of the tree's shapes and dtypes on ``device`` (default: the first).
 
-    One random vector is drawn and cut into the leaves (one small program to compile).
+    One small jitted sampler per distinct (shape, dtype), reused across leaves: a single program
+    drawing all ~300M values at once takes minutes to compile on GPU.
     """
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0] if device is None else device)
     leaves, treedef = jax.tree.flatten(tree)
-    sizes = [math.prod(leaf.shape) for leaf in leaves]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
+    samplers: dict = {}
 
-    def make(key):
-        flat = std * jax.random.normal(key, (offsets[-1],), jnp.float32)
-        return jax.tree.unflatten(
-            treedef,
-            [
-                flat[start : start + size].reshape(leaf.shape).astype(leaf.dtype)
-                for start, size, leaf in zip(offsets, sizes, leaves, strict=False)
-            ],
-        )
+    def sample(i: int, leaf) -> jax.Array:
+        sig = (tuple(leaf.shape), jnp.dtype(leaf.dtype))
+        if sig not in samplers:
+            samplers[sig] = jax.jit(
+                lambda k, s=sig: (std * jax.random.normal(k, s[0], jnp.float32)).astype(s[1]),
+                out_shardings=sharding,
+            )
+        return samplers[sig](jax.random.fold_in(key, i))
 
-    return jax.jit(make, out_shardings=sharding)(key)
+    return jax.tree.unflatten(treedef, [sample(i, leaf) for i, leaf in enumerate(leaves)])
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

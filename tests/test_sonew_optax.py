@@ -1,4 +1,4 @@
-"""SONew behaves like an optax optimizer, stays finite on hostile gradients, and rejects bad input."""
+"""SONew behaves like an optax optimizer, stays finite on hostile gradients, rejects bad input."""
 
 import flax.linen as nn
 import jax
