@@ -35,22 +35,19 @@ def case(mesh_shape):
     return params, specs
 
 
-def run(tx, params, grads_seq, mesh=None, specs=None):
-    state = tx.init(params)
+def run(tx, params, grads_seq, mesh=None, specs=None, state=None):
+    """Jitted updates from ``state`` (default: ``tx.init``), placed by ``specs`` on ``mesh``."""
+    state = tx.init(params) if state is None else state
     if mesh is not None:
-        shard = lambda tree, sp: jax.tree.map(  # noqa: E731
+        put = lambda tree, sp: jax.tree.map(  # noqa: E731
             lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, sp
         )
-        state_specs = state_partition_specs(state, specs)
-        params = shard(params, specs)
-        state = jax.tree.map(
-            lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, state_specs
-        )
+        state = put(state, state_partition_specs(state, specs))
+        params = put(params, specs)
+        grads_seq = [put(g, specs) for g in grads_seq]
     step = jax.jit(lambda p, s, g: tx.update(g, s, p))
     outs = []
     for grads in grads_seq:
-        if mesh is not None:
-            grads = shard(grads, specs)
         updates, state = step(params, state, grads)
         params = optax.apply_updates(params, updates)
         outs.append(updates)
@@ -138,25 +135,11 @@ def test_state_moves_between_meshes(x64):
     tx_b = sonew(0.1, mesh=mesh_b, param_specs=specs_b, **kw)
     _, state = run(tx_a, params, grads[:2], mesh_a, specs_a)
     saved = jax.device_get(state)  # what a checkpoint holds
-    expect, _ = run_from(sonew(0.1, **kw), params, saved, grads[2:])
-    got, _ = run_from(tx_b, params, saved, grads[2:], mesh_b, specs_b)
+    expect, _ = run(sonew(0.1, **kw), params, grads[2:], state=saved)
+    got, _ = run(tx_b, params, grads[2:], mesh_b, specs_b, state=saved)
     for e, g in zip(expect, got, strict=True):
         for k in params:
             np.testing.assert_allclose(np.asarray(g[k]), np.asarray(e[k]), rtol=1e-10)
-
-
-def run_from(tx, params, state, grads_seq, mesh=None, specs=None):
-    if mesh is not None:
-        state_specs = state_partition_specs(state, specs)
-        state = jax.tree.map(
-            lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), state, state_specs
-        )
-    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
-    outs = []
-    for g in grads_seq:
-        updates, state = step(params, state, g)
-        outs.append(updates)
-    return outs, state
 
 
 @pytest.mark.parametrize(
