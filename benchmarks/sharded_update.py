@@ -158,6 +158,11 @@ def bench_band(band: int, shapes, devices: list, args) -> list[dict]:
     """Rows (one per variant) for one band."""
     reference, ms_1dev = single_device(band, shapes, args)
     print(f"band {band}: 1 device {ms_1dev:.3f} ms", flush=True)
+    return bench_variants(band, shapes, devices, args, reference, ms_1dev)
+
+
+def bench_variants(band: int, shapes, devices: list, args, reference, ms_1dev: float) -> list[dict]:
+    """Rows (one per variant in ``args.variants``) against a `single_device` result."""
     rows = []
     for variant in args.variants.split(","):
         mesh, mesh_name = variant_mesh(variant, devices, args.data)

@@ -1,6 +1,7 @@
 """Full train-step time and peak memory of a model config: SONew against AdamW and Adafactor.
 
-The step is the trainer's own: `sonew_pax.trainer.Trainer` on a one-device mesh builds the model
+The step is the trainer's own: `sonew_pax.trainer.Trainer` on a one-device mesh (or a
+``--mesh_data`` x ``--mesh_model`` mesh over the first devices) builds the model
 from ``configs/models/<model>.gin`` (compute dtype from ``--dtype``, parameters float32), the
 optimizer through `sonew_pax.optimizers.make_optimizer` (global-norm clipping, then the optimizer,
 as in training; weight decay 0.1 on matrices; constant learning rate), and the jitted,
@@ -8,14 +9,16 @@ state-donating train step (forward, backward, update). Batches are random tokens
 steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
 ``block_until_ready``; the median is reported.
 
-Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (null where the backend has
-no memory stats, e.g. CPU). Each optimizer runs in a fresh subprocess by default, so peaks don't
-carry over (``--no_isolate`` runs them in this process, e.g. for CPU smoke tests).
+Peak memory is ``memory_stats()["peak_bytes_in_use"]``, the largest over the mesh's devices (null
+where the backend has no memory stats, e.g. CPU). Each optimizer runs in a fresh subprocess by
+default, so peaks don't carry over (``--no_isolate`` runs them in this process, e.g. for CPU smoke
+tests).
 
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "first_step_s", "tokens_per_s",
-"loss"}]}``. ``sonew_tridiag_bf16`` runs only if sonew accepts ``momentum_dtype``.
+"loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch).
+``sonew_tridiag_bf16`` runs only if sonew accepts ``momentum_dtype``.
 
 Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
 """
@@ -126,12 +129,18 @@ def random_batch(vocab: int, batch_size: int, seq_len: int) -> dict[str, np.ndar
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
 
-def peak_memory_gib() -> float | None:
-    """The default device's peak bytes in use so far, in GiB (None without memory stats)."""
-    stats = jax.devices()[0].memory_stats()
-    if not stats or "peak_bytes_in_use" not in stats:
-        return None
-    return stats["peak_bytes_in_use"] / 2**30
+def peak_memory_gib(devices=None) -> float | None:
+    """The largest peak bytes in use so far over ``devices`` (default: the first), in GiB.
+
+    None where a device has no memory stats (e.g. CPU).
+    """
+    peaks = []
+    for device in devices or jax.devices()[:1]:
+        stats = device.memory_stats()
+        if not stats or "peak_bytes_in_use" not in stats:
+            return None
+        peaks.append(stats["peak_bytes_in_use"] / 2**30)
+    return max(peaks)
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
@@ -140,7 +149,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     if optimizer is None:
         return {"optimizer": name, "skipped": "sonew has no momentum_dtype option"}
     config = load_model_config(args.model, args.dtype, args.layers)
-    mesh = partitioning.make_mesh(devices=jax.devices()[:1])
+    devices = jax.devices()[: args.mesh_data * args.mesh_model]
+    mesh = partitioning.make_mesh(data=args.mesh_data, model=args.mesh_model, devices=devices)
     rules = partitioning.logical_axis_rules()
     trainer = Trainer(
         Transformer(config),
@@ -157,6 +167,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         start = time.perf_counter()
         carry = jax.block_until_ready(trainer.train_step(state, batch))
         first_step_s = time.perf_counter() - start
+        first_loss = float(carry[1]["loss"])
         median, times, carry = common.time_steps(
             lambda c: trainer.train_step(c[0], batch), carry, args.warmup, args.iters
         )
@@ -164,10 +175,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "optimizer": name,
         "step_ms": median,
         "step_ms_min": min(times),
-        "peak_memory_gib": peak_memory_gib(),
+        "peak_memory_gib": peak_memory_gib(devices),
         "first_step_s": first_step_s,
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
         "loss": float(carry[1]["loss"]),
+        "first_loss": first_loss,
+        "steps": 1 + args.warmup + args.iters,
+        "mesh": f"{args.mesh_data}x{args.mesh_model}",
         "params": count_params(trainer.layout.abstract.params),
         "device": common.device_name(),
     }
@@ -192,6 +206,10 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
         str(args.warmup),
         "--iters",
         str(args.iters),
+        "--mesh_data",
+        str(args.mesh_data),
+        "--mesh_model",
+        str(args.mesh_model),
     ]
     for flag in ("dtype", "layers"):
         if getattr(args, flag) is not None:
@@ -244,6 +262,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=",".join(OPTIMIZERS),
         help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
     )
+    p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
+    p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
     p.add_argument("--iters", type=int, default=20, help="timed steps; the median is reported")
     p.add_argument(
@@ -276,6 +296,8 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "layers": args.layers,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
+            "mesh_data": args.mesh_data,
+            "mesh_model": args.mesh_model,
             "warmup": args.warmup,
             "iters": args.iters,
             "unsharded_optimizer": args.unsharded_optimizer,
