@@ -167,8 +167,46 @@ def chain_max(x: jax.Array, layout: ChainLayout) -> jax.Array:
     return lax.pmax(top, layout.mesh_axes) if layout.mesh_axes else top
 
 
+def _nrm2_combine(acc: tuple, x: tuple) -> tuple:
+    """Merges ``(scale, sumsq)`` pairs, several norms side by side: ``||v|| = scale * sqrt(sumsq)``.
+
+    The scaled-sum recurrence of LAPACK's ``xNRM2`` as an associative combiner: the pair with the
+    larger scale keeps it, the other's sum is rescaled by ``(small / large)^2 <= 1``, so nothing
+    overflows or underflows whatever the entries' magnitude. One division per norm and merge.
+    """
+    out = []
+    for i in range(0, len(acc), 2):
+        s1, q1, s2, q2 = acc[i], acc[i + 1], x[i], x[i + 1]
+        first = s1 >= s2
+        big, small = jnp.where(first, s1, s2), jnp.where(first, s2, s1)
+        q_big, q_small = jnp.where(first, q1, q2), jnp.where(first, q2, q1)
+        ratio = small / jnp.where(big > 0, big, 1)
+        out += [big, q_big + q_small * ratio * ratio]
+    return tuple(out)
+
+
+def norms(xs: list[jax.Array], layout: ChainLayout) -> list[jax.Array]:
+    """Euclidean norms of same-shaped arrays, safe from underflow and overflow, in one pass.
+
+    Equal to ``M * ||x / M||`` with ``M = max|x|`` (up to rounding), but computed as one variadic
+    reduction over ``(scale, scaled sum of squares)`` pairs (:func:`_nrm2_combine`) for all ``xs``
+    together: the inputs are read once instead of four times for two two-pass norms. Sharded, the
+    local pairs are combined with one ``pmax`` and one ``psum``.
+    """
+    operands, inits = [], []
+    for x in xs:
+        operands += [jnp.abs(x), jnp.ones_like(x)]
+        inits += [jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)]
+    pairs = lax.reduce(tuple(operands), tuple(inits), _nrm2_combine, tuple(range(xs[0].ndim)))
+    scales, sums = jnp.stack(pairs[0::2]), jnp.stack(pairs[1::2])
+    if layout.mesh_axes:
+        top = lax.pmax(scales, layout.mesh_axes)
+        ratio = scales / jnp.where(top > 0, top, 1)
+        sums = lax.psum(sums * ratio * ratio, layout.mesh_axes)
+        scales = top
+    return list(scales * jnp.sqrt(sums))
+
+
 def norm(x: jax.Array, layout: ChainLayout) -> jax.Array:
-    """Euclidean norm safe from underflow and overflow: ``M * ||x / M||`` with ``M = max|x|``."""
-    scale = chain_max(jnp.abs(x), layout)
-    safe = jnp.where(scale > 0, scale, 1.0)
-    return scale * jnp.sqrt(chain_sum(jnp.square(x / safe), layout))
+    """Euclidean norm safe from underflow and overflow (see :func:`norms`)."""
+    return norms([x], layout)[0]

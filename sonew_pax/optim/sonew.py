@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from sonew_pax.optim import solve
-from sonew_pax.optim.chain import ChainLayout, norm, shift
+from sonew_pax.optim.chain import ChainLayout, norms, shift
 
 GRAFTS = ("adam", "none")
 # Defaults. ``eps`` is an absolute damping added to the bias-corrected diagonal: small enough to
@@ -122,8 +122,8 @@ def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
 
 
 def _graft_ratio(target: jax.Array, direction: jax.Array, layout: ChainLayout) -> jax.Array:
-    """``||target|| / ||direction||`` (0 when ``direction`` is 0), in a scale-safe norm."""
-    num, den = norm(target, layout), norm(direction, layout)
+    """``||target|| / ||direction||`` (0 when ``direction`` is 0); both safe norms in one pass."""
+    num, den = norms([target, direction], layout)
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
 
 
