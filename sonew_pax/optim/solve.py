@@ -126,6 +126,8 @@ def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLa
     band = rho.shape[0]
     if band == 0:
         return rho, jnp.ones(rho.shape[1:], rho.dtype)
+    if band == 1:
+        return _tridiagonal_inverse(rho[0], gamma)
     rows = _windows(rho, layout)
     rhs = list(rho)
     schur, _, pivot = _window_solve(rows, rhs)
@@ -147,6 +149,23 @@ def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLa
     return lower, d
 
 
+def _tridiagonal_inverse(rho: jax.Array, gamma: float | jax.Array) -> tuple:
+    """Theorem 1 (band 1) in closed form: the window of ``j`` is ``{j + 1}``, ``C_{j+1,j+1} = 1``.
+
+    The generic two-pass window solve reduces to: Schur complement ``1 - rho_j^2``, a cut where it
+    is not ``> gamma`` (nor the unit pivot), ``L_{j+1,j} = -rho_j keep_j`` and
+    ``D_jj = 1 / (1 - rho_j^2 keep_j)`` -- the same operations, one elementwise pass, no shifts.
+    """
+    schur = 1 - rho * rho
+    keep = ((schur > gamma) & (gamma < 1)).astype(rho.dtype)
+    x = rho * keep
+    schur = 1 - x * x
+    ok = jnp.isfinite(schur) & (schur > 0) & jnp.isfinite(x)
+    lower = jnp.where(ok, -x, 0)[None]
+    d = jnp.where(ok, 1 / jnp.where(ok, schur, 1), 1)
+    return lower, d
+
+
 def factorize(
     h_diag: jax.Array, h_off: jax.Array, gamma: float | jax.Array, layout: ChainLayout
 ) -> BandedFactor:
@@ -154,6 +173,24 @@ def factorize(
     scale, rho = correlations(h_diag, h_off, layout)
     lower, d = sparsified_inverse(rho, gamma, layout)
     return BandedFactor(scale, lower, d)
+
+
+def precondition(
+    h_diag: jax.Array,
+    h_off: jax.Array,
+    v: jax.Array,
+    gamma: float | jax.Array,
+    layout: ChainLayout,
+) -> jax.Array:
+    """``X v`` for the stable LogDet solution ``X`` of ``H = (h_diag, h_off)``.
+
+    Band 0 (diag-SONew) is ``X = diag(H)^{-1}``: ``v / h`` (zero where ``h <= 0``, as the generic
+    ``S D S`` with ``S = 0`` there), without correlations or a solve. Wider bands run
+    :func:`factorize` then :func:`apply`.
+    """
+    if h_off.shape[0] == 0:
+        return jnp.where(h_diag > 0, v / jnp.where(h_diag > 0, h_diag, 1), 0)
+    return apply(factorize(h_diag, h_off, gamma, layout), v, layout)
 
 
 def apply(factor: BandedFactor, v: jax.Array, layout: ChainLayout) -> jax.Array:

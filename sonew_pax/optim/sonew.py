@@ -152,8 +152,7 @@ def _leaf_update(
         e_hat = e / bc2
     else:
         e_hat = jnp.zeros((0, *gs.shape), gs.dtype)
-    factor = solve.factorize(d_hat + hyper.eps, e_hat, hyper.gamma, layout)
-    u = solve.apply(factor, m_hat, layout)
+    u = solve.precondition(d_hat + hyper.eps, e_hat, m_hat, hyper.gamma, layout)
     if hyper.graft == "adam":
         u = u * _graft_ratio(adam, u, layout)
     return u.astype(g.dtype), m, d, e
