@@ -156,3 +156,33 @@ def test_bad_specs_name_the_parameter(specs, message):
     tx = sonew(0.1, mesh=mesh, param_specs=specs)
     with pytest.raises(ValueError, match=message):
         tx.update(params, tx.init(params), params)
+
+
+@pytest.mark.parametrize("band", [1, 2])
+def test_sharded_bf16_state_equals_unsharded(band):
+    """bf16 momentum and off-diagonals: specs cover the mixed-dtype state, sharded == unsharded,
+    and the state keeps its dtypes and its parameters' sharding."""
+    params, specs = case((2, 4))
+    mesh = make_mesh((2, 4))
+    rng = np.random.default_rng(band)
+    grads_seq = [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), jnp.float32), params)
+        for _ in range(3)
+    ]
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    kwargs = dict(
+        band=band, precondition_1d=True, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16
+    )
+    expect, _ = run(sonew(0.1, **kwargs), params, grads_seq)
+    got, state = run(
+        sonew(0.1, mesh=mesh, param_specs=specs, **kwargs), params, grads_seq, mesh, specs
+    )
+    for e_step, g_step in zip(expect, got, strict=True):
+        for k in params:
+            e, g = np.asarray(e_step[k]), np.asarray(g_step[k])
+            assert np.linalg.norm(g - e) <= 1e-3 * np.linalg.norm(e), (k, band)
+    sonew_state = state[0]
+    for k, spec in specs.items():
+        assert sonew_state.m[k].dtype == jnp.bfloat16 and sonew_state.d[k].dtype == jnp.float32
+        assert sonew_state.e[k].dtype == jnp.bfloat16
+        assert sonew_state.m[k].sharding.is_equivalent_to(NamedSharding(mesh, spec), params[k].ndim)
