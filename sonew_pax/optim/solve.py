@@ -57,11 +57,16 @@ class BandedFactor(NamedTuple):
     d: jax.Array
 
 
+def unit_scale(h_diag: jax.Array) -> jax.Array:
+    """``S = diag(H)^{-1/2}``, zero where ``H_jj <= 0`` (a coordinate with no statistics)."""
+    return jnp.where(h_diag > 0, jax.lax.rsqrt(jnp.where(h_diag > 0, h_diag, 1)), 0)
+
+
 def correlations(
     h_diag: jax.Array, h_off: jax.Array, layout: ChainLayout
 ) -> tuple[jax.Array, jax.Array]:
     """Scale ``H`` to unit diagonal: returns ``S = h^{-1/2}`` and ``rho_k = e_k s_j s_{j+k}``."""
-    scale = jnp.where(h_diag > 0, jax.lax.rsqrt(jnp.where(h_diag > 0, h_diag, 1)), 0)
+    scale = unit_scale(h_diag)
     band = h_off.shape[0]
     if band == 0:
         return scale, h_off
@@ -127,7 +132,7 @@ def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLa
     if band == 0:
         return rho, jnp.ones(rho.shape[1:], rho.dtype)
     if band == 1:
-        return _tridiagonal_inverse(rho[0], gamma)
+        return tridiagonal_inverse(rho[0], gamma)
     rows = _windows(rho, layout)
     rhs = list(rho)
     schur, _, pivot = _window_solve(rows, rhs)
@@ -149,7 +154,7 @@ def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLa
     return lower, d
 
 
-def _tridiagonal_inverse(rho: jax.Array, gamma: float | jax.Array) -> tuple:
+def tridiagonal_inverse(rho: jax.Array, gamma: float | jax.Array) -> tuple:
     """Theorem 1 (band 1) in closed form: the window of ``j`` is ``{j + 1}``, ``C_{j+1,j+1} = 1``.
 
     The generic two-pass window solve reduces to: Schur complement ``1 - rho_j^2``, a cut where it

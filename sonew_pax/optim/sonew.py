@@ -127,6 +127,51 @@ def _graft_ratio(target: jax.Array, direction: jax.Array, layout: ChainLayout) -
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
 
 
+class _Raw(NamedTuple):
+    """A tensor's gradient and stored state ``(g, m, d)``, as read (or shifted) from memory."""
+
+    g: jax.Array
+    m: jax.Array
+    d: jax.Array
+
+
+def _moments(raw: _Raw, corrections, hyper: _Hyper) -> tuple[jax.Array, jax.Array]:
+    """The updated first and diagonal moments ``(m, d)`` before bias correction."""
+    m = hyper.b1 * raw.m.astype(raw.d.dtype) + (1 - hyper.b1) * raw.g
+    d = hyper.b2 * raw.d + (1 - hyper.b2) * jnp.square(raw.g)
+    return m, d
+
+
+def _tridiagonal_direction(
+    raw: _Raw, e: jax.Array, corrections, hyper: _Hyper, layout: ChainLayout
+) -> tuple[jax.Array, jax.Array]:
+    """Band 1 in one fused pass: ``(X m_hat, e_new)`` from the raw state shifted by +-1 only.
+
+    ``u_j = s_j [D_j (w_j + l_j w_{j+1}) + l_{j-1} D_{j-1} (w_{j-1} + l_{j-1} w_j)]`` with
+    ``w = s m_hat`` and ``(l, D)`` from Theorem 1 (``solve.tridiagonal_inverse``): the same math as
+    ``solve.apply(solve.factorize(...))``, but every per-vertex and per-edge quantity at ``j - 1``,
+    ``j`` and ``j + 1`` is recomputed from shifted *inputs*, so XLA fuses the whole update into one
+    pass over memory instead of materialising ``S``, ``L``, ``D`` and ``S m_hat``.
+    """
+    bc1, bc2 = corrections
+    at = {k: _Raw(*(shift(x, k, layout) for x in raw)) for k in (-1, 1)}
+    at[0] = raw
+    m_hat, scale = {}, {}
+    for k, r in at.items():
+        m_k, d_k = _moments(r, corrections, hyper)
+        m_hat[k] = m_k / bc1
+        scale[k] = solve.unit_scale(d_k / bc2 + hyper.eps)
+    e_stored = e[0].astype(raw.d.dtype)
+    e_next = hyper.b2 * e_stored + (1 - hyper.b2) * raw.g * at[1].g  # edge (j, j+1)
+    e_prev = hyper.b2 * shift(e_stored, -1, layout) + (1 - hyper.b2) * at[-1].g * raw.g
+    lower, diag = solve.tridiagonal_inverse(e_next / bc2 * scale[0] * scale[1], hyper.gamma)
+    lower_p, diag_p = solve.tridiagonal_inverse(e_prev / bc2 * scale[-1] * scale[0], hyper.gamma)
+    w = {k: scale[k] * m_hat[k] for k in at}
+    z = diag * (w[0] + lower[0] * w[1])
+    z_prev = diag_p * (w[-1] + lower_p[0] * w[0])
+    return scale[0] * (z + lower_p[0] * z_prev), e_next[None]
+
+
 def _leaf_update(
     g: jax.Array,
     m: jax.Array,
@@ -139,26 +184,29 @@ def _leaf_update(
     """One tensor's SONew step (module docstring); returns ``(u, m, d, e)``."""
     bc1, bc2 = corrections
     compute = d.dtype  # stats_dtype: all arithmetic runs in it, whatever m's and e's storage dtype
-    gs = g.astype(compute)
-    m_new = hyper.b1 * m.astype(compute) + (1 - hyper.b1) * gs
-    d = hyper.b2 * d + (1 - hyper.b2) * jnp.square(gs)
-    m_hat, d_hat = m_new / bc1, d / bc2
-    m = m_new.astype(m.dtype)
+    raw = _Raw(g.astype(compute), m, d)
+    m_new, d_new = _moments(raw, corrections, hyper)
+    m_hat, d_hat = m_new / bc1, d_new / bc2
+    m_out = m_new.astype(m.dtype)
     adam = m_hat / (jnp.sqrt(d_hat) + hyper.graft_eps)
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
-        return adam.astype(g.dtype), m, d, e
+        return adam.astype(g.dtype), m_out, d_new, e
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
-    if band:
-        successors = jnp.stack([shift(gs, k, layout) for k in range(1, band + 1)])
-        e_new = hyper.b2 * e.astype(compute) + (1 - hyper.b2) * gs * successors
-        e_hat = e_new / bc2
+    if band == 1:
+        u, e_new = _tridiagonal_direction(raw, e, corrections, hyper, layout)
         e = e_new.astype(e.dtype)
     else:
-        e_hat = jnp.zeros((0, *gs.shape), gs.dtype)
-    u = solve.precondition(d_hat + hyper.eps, e_hat, m_hat, hyper.gamma, layout)
+        if band:
+            successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
+            e_new = hyper.b2 * e.astype(compute) + (1 - hyper.b2) * raw.g * successors
+            e_hat = e_new / bc2
+            e = e_new.astype(e.dtype)
+        else:
+            e_hat = jnp.zeros((0, *raw.g.shape), compute)
+        u = solve.precondition(d_hat + hyper.eps, e_hat, m_hat, hyper.gamma, layout)
     if hyper.graft == "adam":
         u = u * _graft_ratio(adam, u, layout)
-    return u.astype(g.dtype), m, d, e
+    return u.astype(g.dtype), m_out, d_new, e
 
 
 def scale_by_sonew(
