@@ -63,6 +63,17 @@ def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
     return _shift(x, k, layout, 0)
 
 
+def shift_many(xs: list[jax.Array], k: int, layout: ChainLayout) -> list[jax.Array]:
+    """:func:`shift` of several same-shaped, same-dtype tensors of one layout.
+
+    Sharded, they travel together (one halo exchange instead of one each: collective-permutes are
+    latency-bound); unsharded, each is shifted on its own so nothing is stacked in memory.
+    """
+    if not layout.mesh_axes:
+        return [shift(x, k, layout) for x in xs]
+    return list(shift(jnp.stack(xs), k, layout))
+
+
 def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> jax.Array:
     """Shift by ``k`` in the Fortran order of tensor axes ``a, a+1, ...`` (earlier ones are batch).
 
@@ -95,7 +106,8 @@ def _shift_sharded_axis(
     Write ``t = u l + v`` (``0 <= v < l``). Local rows ``[0, l - v)`` come from rows ``[v, l)`` of
     shard ``s + u`` and rows ``[l - v, l)`` from rows ``[0, v)`` of shard ``s + u + 1`` (indices
     mod ``P``). A piece fetched from shard ``s + w`` has wrapped past the end of the axis, and so
-    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``.
+    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``, i.e. when the *sender*
+    ``s' = (s + w) mod P`` has ``s' < w``: the sender picks the right version and sends one slab.
     """
     num_shards = layout.shards[a]
     names = layout.axes[a]
@@ -107,12 +119,13 @@ def _shift_sharded_axis(
         block = lax.slice_in_dim(x, start, stop, axis=axis)
         plain = _shift(block, q, layout, a + 1) if w < num_shards else None
         carried = _shift(block, q + 1, layout, a + 1) if w > 0 else None
-        fetch = lambda y: _fetch_from(y, w % num_shards, names, num_shards)  # noqa: E731
         if carried is None:
-            return fetch(plain)
-        if plain is None:
-            return fetch(carried)
-        return jnp.where(index + w < num_shards, fetch(plain), fetch(carried))
+            send = plain
+        elif plain is None:
+            send = carried
+        else:
+            send = jnp.where(index < w, carried, plain)
+        return _fetch_from(send, w % num_shards, names, num_shards)
 
     if v == 0:
         return piece(0, rows, u)

@@ -31,7 +31,7 @@ import numpy as np
 import optax
 
 from sonew_pax.optim import solve
-from sonew_pax.optim.chain import ChainLayout, norms, shift
+from sonew_pax.optim.chain import ChainLayout, norms, shift, shift_many
 
 GRAFTS = ("adam", "none")
 # Defaults. ``eps`` is an absolute damping added to the bias-corrected diagonal: small enough to
@@ -154,16 +154,18 @@ def _tridiagonal_direction(
     pass over memory instead of materialising ``S``, ``L``, ``D`` and ``S m_hat``.
     """
     bc1, bc2 = corrections
-    at = {k: _Raw(*(shift(x, k, layout) for x in raw)) for k in (-1, 1)}
-    at[0] = raw
+    e_stored = e[0].astype(raw.d.dtype)
+    state = [raw.g, raw.m.astype(raw.d.dtype), raw.d]
+    after = shift_many(state, 1, layout)
+    *before, e_before = shift_many([*state, e_stored], -1, layout)
+    at = {-1: _Raw(*before), 0: raw, 1: _Raw(*after)}
     m_hat, scale = {}, {}
     for k, r in at.items():
         m_k, d_k = _moments(r, corrections, hyper)
         m_hat[k] = m_k / bc1
         scale[k] = solve.unit_scale(d_k / bc2 + hyper.eps)
-    e_stored = e[0].astype(raw.d.dtype)
     e_next = hyper.b2 * e_stored + (1 - hyper.b2) * raw.g * at[1].g  # edge (j, j+1)
-    e_prev = hyper.b2 * shift(e_stored, -1, layout) + (1 - hyper.b2) * at[-1].g * raw.g
+    e_prev = hyper.b2 * e_before + (1 - hyper.b2) * at[-1].g * raw.g  # edge (j-1, j)
     lower, diag = solve.tridiagonal_inverse(e_next / bc2 * scale[0] * scale[1], hyper.gamma)
     lower_p, diag_p = solve.tridiagonal_inverse(e_prev / bc2 * scale[-1] * scale[0], hyper.gamma)
     w = {k: scale[k] * m_hat[k] for k in at}
