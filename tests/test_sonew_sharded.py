@@ -77,7 +77,9 @@ def test_sharded_equals_unsharded(x64, mesh_shape, band):
     grads_seq = [
         jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(3)
     ]
-    kwargs = dict(band=band, gamma=1e-6, precondition_1d=True, stats_dtype=jnp.float64)
+    # eps keeps the rank-deficient first windows well conditioned: the check is the halo exchange,
+    # not how float64 rounding is amplified near singular windows.
+    kwargs = dict(band=band, eps=1e-4, gamma=1e-6, precondition_1d=True, stats_dtype=jnp.float64)
     state = assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
     # Every state array keeps its parameter's sharding.
     for k, spec in specs.items():
