@@ -10,7 +10,7 @@ value ``k`` steps further along the chain (zero past either end), computed with 
 concatenations in the parameter's layout. When a tensor is sharded (``ChainLayout.axes``), the same
 function runs inside ``jax.shard_map`` on the local block and fetches the thin slabs it needs from
 the neighbouring shards with ``ppermute`` (a *halo*), so sharded and unsharded results are equal.
-Reductions (:func:`chain_sum`, :func:`chain_max`) are local sums followed by ``psum``/``pmax``.
+The grafting norms (:func:`norms`) are one local reduction followed by ``pmax``/``psum``.
 """
 
 from __future__ import annotations
@@ -168,18 +168,6 @@ def _mesh_position(name: str) -> int:
     return jax.sharding.get_abstract_mesh().axis_names.index(name)
 
 
-def chain_sum(x: jax.Array, layout: ChainLayout) -> jax.Array:
-    """Sum of all entries of the (global) tensor: local sum, then ``psum`` over its mesh axes."""
-    total = jnp.sum(x)
-    return lax.psum(total, layout.mesh_axes) if layout.mesh_axes else total
-
-
-def chain_max(x: jax.Array, layout: ChainLayout) -> jax.Array:
-    """Max of all entries of the (global) tensor: local max, then ``pmax`` over its mesh axes."""
-    top = jnp.max(x)
-    return lax.pmax(top, layout.mesh_axes) if layout.mesh_axes else top
-
-
 def _nrm2_combine(acc: tuple, x: tuple) -> tuple:
     """Merges ``(scale, sumsq)`` pairs, several norms side by side: ``||v|| = scale * sqrt(sumsq)``.
 
@@ -218,8 +206,3 @@ def norms(xs: list[jax.Array], layout: ChainLayout) -> list[jax.Array]:
         sums = lax.psum(sums * ratio * ratio, layout.mesh_axes)
         scales = top
     return list(scales * jnp.sqrt(sums))
-
-
-def norm(x: jax.Array, layout: ChainLayout) -> jax.Array:
-    """Euclidean norm safe from underflow and overflow (see :func:`norms`)."""
-    return norms([x], layout)[0]
