@@ -16,25 +16,30 @@ Protocol:
   the paper (unfactored second moment with Adam-style bias-corrected decay b2, momentum b1 0.9,
   update clipping 1.0 by block RMS, weight decay 1e-3); tridiagonal SONew (band 1, b1 0.9,
   b2 0.95, Adam grafting, weight decay 0.1). Each gets a sweep of the same number of peak
-  learning rates.
-* One compiled train step per optimizer: the peak learning rate lives in the optimizer state
-  (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
+  learning rates; SONew's damping ``eps`` can be swept too (``--sonew_eps`` a comma list: its
+  runs are then the grid learning rates x eps values).
+* One compiled train step per optimizer: the peak learning rate (and SONew's eps) lives in the
+  optimizer state (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
 * Held-out loss every ``--eval_every`` steps (and at step 0 and at the end) on the first
   ``--eval_batches`` held-out batches. Best run per optimizer: lowest final held-out loss.
 * Metric: the first step at which SONew's eval curve reaches AdamW's final held-out loss (linear
   interpolation between evaluations), and its ratio to the same quantity for AdamW.
 
-Runs go round-robin over the optimizers, middle learning rates first, and the outputs are
-rewritten after every run, so a run cut short still has comparable sweeps.
+Runs go round-robin over the optimizers, middle learning rates first (at each learning rate,
+SONew's eps values middle first), and the outputs are rewritten after every run, so a run cut
+short still has comparable sweeps.
 
 Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"device", "date",
-"params", "config", "rows": [{"optimizer", "learning_rate", "final_eval_loss",
-"steps_to_adamw_final", "steps_ratio_vs_adamw", ...}], "runs": [{"optimizer", "learning_rate",
-"curve": {"step", "eval_loss", "train_loss"}, ...}]}``, and next to it ``<name>.md`` (tables) and
-``<name>.png`` (eval loss vs step: best run per optimizer, the sweep faint).
+"params", "config", "rows": [{"optimizer", "learning_rate", "eps", "final_eval_loss",
+"steps_to_adamw_final", "steps_ratio_vs_adamw", ..., "lr_at_grid_edge", "eps_at_grid_edge"}],
+"runs": [{"optimizer", "learning_rate", "eps", "curve": {"step", "eval_loss", "train_loss"},
+...}]}`` (``eps`` is SONew's damping, null for the other optimizers), and next to it
+``<name>.md`` (tables) and ``<name>.png`` (eval loss vs step: best run per optimizer, the sweep
+faint).
 
 Usage: ``python benchmarks/lm_convergence.py`` (GPU defaults); ``--model tiny`` for CPU;
-``--plot_only`` redraws the PNG and markdown from an existing JSON.
+``--sonew_eps 1e-9,1e-8,1e-7`` sweeps SONew's eps as well; ``--plot_only`` redraws the PNG and
+markdown from an existing JSON.
 """
 
 import argparse
@@ -95,14 +100,23 @@ SEED = 0
 ROW_COLUMNS = (
     "optimizer",
     "learning_rate",
+    "eps",
     "final_eval_loss",
     "steps_to_adamw_final",
     "steps_ratio_vs_adamw",
     "steps_to_adafactor_final",
     "steps_ratio_vs_adafactor",
     "lr_at_grid_edge",
+    "eps_at_grid_edge",
 )
-RUN_COLUMNS = ("optimizer", "learning_rate", "final_eval_loss", "min_eval_loss", "ms_per_step")
+RUN_COLUMNS = (
+    "optimizer",
+    "learning_rate",
+    "eps",
+    "final_eval_loss",
+    "min_eval_loss",
+    "ms_per_step",
+)
 COLORS = {"adamw": "tab:blue", "adafactor": "tab:green", "sonew_tridiag": "tab:red"}
 
 
@@ -145,10 +159,11 @@ def adafactor_unfactored(
     )
 
 
-def hyperparameters(sonew_eps: float = DEFAULT_SONEW_EPS) -> dict[str, dict]:
-    """Every optimizer's fixed hyperparameters (SONew's eps from ``--sonew_eps``)."""
+def hyperparameters(sonew_eps: float | list[float] = DEFAULT_SONEW_EPS) -> dict[str, dict]:
+    """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
+    ``sonew_eps`` (the JSON's config records the list of swept values)."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
-    hp["sonew_tridiag"]["eps"] = sonew_eps
+    hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     return hp
 
 
@@ -165,35 +180,48 @@ def base_factory(name: str, hp: dict):
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
-def peak_in_state(factory):
-    """Wraps ``factory`` for the Trainer so that the peak learning rate is optimizer state.
+def hyperparams_in_state(factory, eps: float | None = None):
+    """Wraps ``factory`` for the Trainer so that the peak learning rate (and, when ``eps`` is
+    given, the factory's ``eps``) is optimizer state.
 
     The Trainer's schedule is used as the shape (peak 1); the optimizer applies ``peak * shape``
     with ``peak`` held by ``optax.inject_hyperparams``, so one compiled train step serves every
-    learning rate (set it with `set_peak`). Clipping as in training: `make_optimizer`.
+    learning rate (set it with `set_hyperparams`). With ``eps`` (its initial value), the factory
+    is called with ``eps=<the state's eps>`` as well, so the same step serves every eps; every
+    other argument (SONew's ``band`` included) stays a Python constant of ``factory``. Clipping as
+    in training: `make_optimizer`.
     """
+    initial = {"peak": 1.0} if eps is None else {"peak": 1.0, "eps": eps}
 
     def optimizer(schedule, *, mesh=None, param_specs=None):
-        def build(peak):
+        def build(peak, eps=None):
+            inner = factory if eps is None else functools.partial(factory, eps=eps)
             return optimizers.make_optimizer(
                 lambda count: peak * schedule(count),
-                factory=factory,
+                factory=inner,
                 clip_norm=CLIP_NORM,
                 mesh=mesh,
                 param_specs=param_specs,
             )
 
-        return optax.inject_hyperparams(build, hyperparam_dtype=jnp.float32)(peak=1.0)
+        return optax.inject_hyperparams(build, hyperparam_dtype=jnp.float32)(**initial)
 
     return optimizer
 
 
-def set_peak(state: train_state.TrainState, lr: float) -> train_state.TrainState:
-    """``state`` with the optimizer's peak learning rate replaced by ``lr`` (same dtype, layout)."""
+def set_hyperparams(state: train_state.TrainState, **values: float) -> train_state.TrainState:
+    """``state`` with the optimizer's injected hyperparameters (``peak``, ``eps``) replaced by
+    ``values`` (same dtype and layout); a value of None leaves its hyperparameter as it is."""
     opt = state.opt_state
-    old = opt.hyperparams["peak"]
-    peak = jax.device_put(np.asarray(lr, old.dtype), old.sharding)
-    return state._replace(opt_state=opt._replace(hyperparams={**opt.hyperparams, "peak": peak}))
+    hyperparams = dict(opt.hyperparams)
+    for name, value in values.items():
+        if value is None:
+            continue
+        if name not in hyperparams:
+            raise KeyError(f"{name!r} is not an injected hyperparameter: {sorted(hyperparams)}")
+        old = hyperparams[name]
+        hyperparams[name] = jax.device_put(np.asarray(value, old.dtype), old.sharding)
+    return state._replace(opt_state=opt._replace(hyperparams=hyperparams))
 
 
 # ------------------------------------------------------------------------------ data and model
@@ -232,7 +260,8 @@ class OptimizerRunner:
 
     @classmethod
     def build(cls, name, config, mesh, rules, args) -> "OptimizerRunner":
-        """The Trainer of ``name`` with the unit-peak schedule of the run's length."""
+        """The Trainer of ``name`` with the unit-peak schedule of the run's length (SONew's eps
+        injected, starting at the first ``--sonew_eps`` value)."""
         shape = optimizers.learning_rate_schedule(
             peak_value=1.0,
             warmup_steps=min(args.warmup_steps, args.steps),
@@ -240,9 +269,13 @@ class OptimizerRunner:
             total_steps=args.steps,
             end_factor=args.end_factor,
         )
+        hp, eps = hyperparameters()[name], None
+        if name == CANDIDATE:  # eps is optimizer state, set per run
+            del hp["eps"]
+            eps = args.sonew_eps[0]
         trainer = Trainer(
             Transformer(config),
-            peak_in_state(base_factory(name, hyperparameters(args.sonew_eps)[name])),
+            hyperparams_in_state(base_factory(name, hp), eps),
             shape,
             mesh,
             rules,
@@ -252,10 +285,11 @@ class OptimizerRunner:
         init = train_state.make_init_fn(trainer.model, trainer.tx, trainer.layout, trainer.example)
         return cls(name, trainer, init)
 
-    def fresh_state(self, lr: float) -> train_state.TrainState:
-        """The step-0 state (the same parameters for every run) with peak learning rate ``lr``."""
+    def fresh_state(self, lr: float, eps: float | None = None) -> train_state.TrainState:
+        """The step-0 state (the same parameters for every run) with peak learning rate ``lr``
+        and (SONew) damping ``eps``."""
         with partitioning.axis_rules_context(self.trainer.mesh, self.trainer.rules):
-            return set_peak(self.init(jax.random.key(SEED)), lr)
+            return set_hyperparams(self.init(jax.random.key(SEED)), peak=lr, eps=eps)
 
 
 # ---------------------------------------------------------------------------------- the runs
@@ -273,8 +307,11 @@ def eval_due(step: int, every: int, last: int) -> bool:
     return step == 0 or step == last or (every > 0 and step % every == 0)
 
 
-def train_run(runner: OptimizerRunner, lr: float, train, held_out, args) -> dict:
-    """Trains one (optimizer, lr) run for ``len(train)`` steps; returns it with its eval curve.
+def train_run(
+    runner: OptimizerRunner, lr: float, train, held_out, args, eps: float | None = None
+) -> dict:
+    """Trains one (optimizer, lr, eps) run for ``len(train)`` steps; returns it with its eval
+    curve. ``eps``: SONew's damping (None for the other optimizers).
 
     Stops early (``diverged``) when the held-out loss is not finite.
     """
@@ -282,7 +319,7 @@ def train_run(runner: OptimizerRunner, lr: float, train, held_out, args) -> dict
     curve = {"step": [], "eval_loss": [], "train_loss": []}
     pending, diverged = [], False
     start = time.perf_counter()
-    state = runner.fresh_state(lr)
+    state = runner.fresh_state(lr, eps)
     with partitioning.axis_rules_context(trainer.mesh, trainer.rules):
         params0_loss = evaluate(trainer, state.params, held_out)
         curve["step"].append(0)
@@ -303,7 +340,7 @@ def train_run(runner: OptimizerRunner, lr: float, train, held_out, args) -> dict
             curve["step"].append(step)
             curve["eval_loss"].append(eval_loss if math.isfinite(eval_loss) else None)
             curve["train_loss"].append(_finite_or_none(float(np.mean(window))))
-            _print_progress(runner.name, lr, step, steps, curve, timed_from)
+            _print_progress(run_name(runner.name, lr, eps), step, steps, curve, timed_from)
             if not math.isfinite(eval_loss):
                 diverged = True
                 break
@@ -315,6 +352,7 @@ def train_run(runner: OptimizerRunner, lr: float, train, held_out, args) -> dict
     return {
         "optimizer": runner.name,
         "learning_rate": lr,
+        "eps": eps,
         "final_eval_loss": None if diverged else curve["eval_loss"][-1],
         "min_eval_loss": min(finite) if finite else None,
         "diverged": diverged,
@@ -330,29 +368,51 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def _print_progress(name, lr, step, steps, curve, timed_from) -> None:
+def run_name(name: str, lr: float, eps: float | None = None) -> str:
+    """``name lr=<lr>`` (and `` eps=<eps>`` for SONew): a run in logs and plot labels."""
+    return f"{name} lr={lr:g}" + ("" if eps is None else f" eps={eps:g}")
+
+
+def _print_progress(name, step, steps, curve, timed_from) -> None:
     elapsed = time.perf_counter() - timed_from
     train_loss = curve["train_loss"][-1]
     train_text = "nan" if train_loss is None else f"{train_loss:.4f}"
     eval_loss = curve["eval_loss"][-1]
     eval_text = "nan" if eval_loss is None else f"{eval_loss:.4f}"
     print(
-        f"  [{name} lr={lr:g}] step {step:>5}/{steps}  eval {eval_text}  train {train_text}"
+        f"  [{name}] step {step:>5}/{steps}  eval {eval_text}  train {train_text}"
         f"  {1e3 * elapsed / max(step - 1, 1):.1f} ms/step",
         flush=True,
     )
 
 
-def run_order(lrs: dict[str, list[float]]) -> list[tuple[str, float]]:
-    """(optimizer, lr) pairs round-robin over optimizers, each sweep from its middle outwards."""
+def run_order(
+    lrs: dict[str, list[float]], eps: dict[str, list[float]] | None = None
+) -> list[tuple[str, float, float | None]]:
+    """(optimizer, lr, eps) triples round-robin over optimizers, each learning-rate sweep from
+    its middle outwards; an optimizer with eps values (``eps[name]``, SONew's) runs all of them,
+    middle first, at each of its learning rates. eps is None for the others."""
 
     def middle_out(values):
         centre = (len(values) - 1) / 2
-        return sorted(values, key=lambda v: (abs(values.index(v) - centre), values.index(v)))
+        order = sorted(range(len(values)), key=lambda i: (abs(i - centre), i))
+        return [values[i] for i in order]
 
+    eps = eps or {}
     ordered = {name: middle_out(values) for name, values in lrs.items()}
-    longest = max(len(v) for v in ordered.values())
-    return [(n, v[i]) for i in range(longest) for n, v in ordered.items() if i < len(v)]
+    longest = max((len(v) for v in ordered.values()), default=0)
+    return [
+        (name, values[i], e)
+        for i in range(longest)
+        for name, values in ordered.items()
+        if i < len(values)
+        for e in middle_out(eps.get(name) or [None])
+    ]
+
+
+def run_key(run: dict) -> tuple:
+    """(optimizer, learning_rate, eps) of a run or row (eps None where absent: older JSON)."""
+    return run["optimizer"], run["learning_rate"], run.get("eps")
 
 
 # ------------------------------------------------------------------------------------ metrics
@@ -383,9 +443,13 @@ def best_runs(runs: list[dict]) -> dict[str, dict]:
     return best
 
 
-def summary_rows(runs: list[dict], lrs: dict[str, list[float]]) -> list[dict]:
-    """One row per optimizer: its best run and the steps it needs to reach the references'
-    final held-out losses (AdamW's, as the metric; Adafactor's, as the paper compares)."""
+def summary_rows(
+    runs: list[dict], lrs: dict[str, list[float]], eps: dict[str, list[float]] | None = None
+) -> list[dict]:
+    """One row per optimizer: its best run (learning rate and eps) and the steps it needs to
+    reach the references' final held-out losses (AdamW's, as the metric; Adafactor's, as the
+    paper compares). ``eps``: the swept eps values per optimizer (SONew's)."""
+    eps = eps or {}
     best = best_runs(runs)
     rows = []
     for name in OPTIMIZERS:
@@ -395,12 +459,17 @@ def summary_rows(runs: list[dict], lrs: dict[str, list[float]]) -> list[dict]:
         row = {
             "optimizer": name,
             "learning_rate": run["learning_rate"],
+            "eps": run.get("eps"),
             "final_eval_loss": run["final_eval_loss"],
         }
         for ref in (BASELINE, "adafactor"):
             row.update(_steps_vs(run, best.get(ref), ref))
         grid = sorted(lrs.get(name, []))
         row["lr_at_grid_edge"] = bool(grid) and run["learning_rate"] in (grid[0], grid[-1])
+        eps_grid = sorted(eps.get(name) or [])
+        row["eps_at_grid_edge"] = (
+            run.get("eps") in (eps_grid[0], eps_grid[-1]) if len(eps_grid) > 1 else None
+        )
         row["runs_finished"] = sum(r["optimizer"] == name for r in runs)
         rows.append(row)
     return rows
@@ -434,11 +503,11 @@ def plot(result: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    best = {row["optimizer"]: row["learning_rate"] for row in result["rows"]}
+    best = {run_key(row) for row in result["rows"]}
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, zoom in zip(axes, (False, True), strict=True):
         for run in result["runs"]:
-            _plot_run(ax, run, best.get(run["optimizer"]) == run["learning_rate"], zoom)
+            _plot_run(ax, run, run_key(run) in best, zoom)
         adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
         if adamw is not None:
             ax.axhline(adamw["final_eval_loss"], color="gray", ls=":", lw=1)
@@ -468,18 +537,18 @@ def _plot_run(ax, run: dict, is_best: bool, zoom: bool) -> None:
         points = [(s, y) for s, y in points if s >= half]
     if not points:
         return
-    label = f"{run['optimizer']} lr={run['learning_rate']:g}" if is_best else None
+    label = run_name(*run_key(run)) if is_best else None
     style = {"lw": 2.0, "alpha": 1.0} if is_best else {"lw": 0.8, "alpha": 0.3}
     ax.plot(*zip(*points, strict=True), color=COLORS.get(run["optimizer"]), label=label, **style)
 
 
 def _zoom(ax, result: dict) -> None:
     """y-range of the second half covering the best runs (the faint ones may leave it)."""
-    best = {(r["optimizer"], r["learning_rate"]) for r in result["rows"]}
+    best = {run_key(row) for row in result["rows"]}
     ys = [
         y
         for run in result["runs"]
-        if (run["optimizer"], run["learning_rate"]) in best
+        if run_key(run) in best
         for s, y in zip(run["curve"]["step"], run["curve"]["eval_loss"], strict=True)
         if y is not None and s >= run["curve"]["step"][-1] / 2
     ]
@@ -498,18 +567,41 @@ def _title(result: dict) -> str:
 
 
 def markdown(result: dict) -> str:
-    """The summary table (best run per optimizer) and the table of every run."""
+    """The summary table (best run per optimizer), SONew's lr x eps grid of final held-out losses
+    (when several eps were run) and the table of every run."""
     return (
         f"# LM convergence\n\n{_title(result)}\n\n"
         "## Best run per optimizer\n\n"
         + common.format_table(result["rows"], ROW_COLUMNS, markdown=True)
+        + _eps_grid(result["runs"])
         + "\n## Every run\n\n"
         + common.format_table(result["runs"], RUN_COLUMNS, markdown=True)
     )
 
 
-def build_result(runs: list[dict], lrs: dict, args: argparse.Namespace, params: int) -> dict:
-    """The JSON object for the runs finished so far."""
+def _eps_grid(runs: list[dict]) -> str:
+    """SONew's final held-out loss per learning rate (rows) and eps (columns), or "" when fewer
+    than two eps values have runs ('-': not run yet or diverged)."""
+    mine = [r for r in runs if r["optimizer"] == CANDIDATE and r.get("eps") is not None]
+    eps_values = sorted({r["eps"] for r in mine})
+    if len(eps_values) < 2:
+        return ""
+    final = {(r["learning_rate"], r["eps"]): r["final_eval_loss"] for r in mine}
+    columns = ["learning_rate", *(f"eps={e:g}" for e in eps_values)]
+    table = [
+        {"learning_rate": lr, **{f"eps={e:g}": final.get((lr, e)) for e in eps_values}}
+        for lr in sorted({r["learning_rate"] for r in mine})
+    ]
+    return (
+        f"\n## {CANDIDATE}: final held-out loss by learning rate and eps\n\n"
+        + common.format_table(table, columns, markdown=True)
+    )
+
+
+def build_result(
+    runs: list[dict], lrs: dict, args: argparse.Namespace, params: int, eps: dict | None = None
+) -> dict:
+    """The JSON object for the runs finished so far (``eps``: the swept eps values, SONew's)."""
     return {
         "device": common.device_name(),
         "date": common.utc_date(),
@@ -537,7 +629,7 @@ def build_result(runs: list[dict], lrs: dict, args: argparse.Namespace, params: 
             "hyperparameters": hyperparameters(args.sonew_eps),
             "jax": jax.__version__,
         },
-        "rows": summary_rows(runs, lrs),
+        "rows": summary_rows(runs, lrs, eps),
         "runs": runs,
     }
 
@@ -554,6 +646,17 @@ def write_outputs(result: dict, out: Path) -> None:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _eps_list(text: str) -> list[float]:
+    """``--sonew_eps``: a non-empty comma list of distinct values >= 0."""
+    try:
+        values = _floats(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not values or any(not v >= 0 for v in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct values >= 0, got {text!r}")
+    return values
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -585,9 +688,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     p.add_argument(
         "--sonew_eps",
-        type=float,
-        default=DEFAULT_SONEW_EPS,
-        help="SONew's absolute damping of diag(H) (see the README for the choice)",
+        type=_eps_list,
+        default=f"{DEFAULT_SONEW_EPS:g}",
+        help="comma-separated values of SONew's absolute damping of diag(H) (default "
+        f"{DEFAULT_SONEW_EPS:g}; see the README for the choice); SONew runs every learning rate "
+        "with every value (one compiled step: eps is optimizer state)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (.md, .png beside)")
     p.add_argument(
@@ -599,7 +704,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    """Runs every (optimizer, lr) in this process, writing the outputs after each; returns them."""
+    """Runs every (optimizer, lr[, eps]) in this process, writing the outputs after each;
+    returns them."""
     args = parse_args(argv)
     if args.plot_only:
         import json
@@ -608,6 +714,7 @@ def main(argv=None) -> dict:
         write_outputs(result, args.out)
         return result
     lrs = {name: _floats(getattr(args, f"lrs_{name}")) for name in OPTIMIZERS}
+    eps = {CANDIDATE: args.sonew_eps}
     config = model_config(args)
     mesh = partitioning.make_mesh(data=1, model=1, devices=jax.devices()[:1])
     rules = partitioning.logical_axis_rules()
@@ -624,16 +731,17 @@ def main(argv=None) -> dict:
         flush=True,
     )
     runs, result = [], None
-    for name, lr in run_order(lrs):
-        print(f"{name} lr={lr:g} (run {len(runs) + 1}/{sum(map(len, lrs.values()))})", flush=True)
-        run = train_run(runners[name], lr, train, held_out, args)
+    order = run_order(lrs, eps)
+    for name, lr, run_eps in order:
+        print(f"{run_name(name, lr, run_eps)} (run {len(runs) + 1}/{len(order)})", flush=True)
+        run = train_run(runners[name], lr, train, held_out, args, run_eps)
         print(
             f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s "
             f"(first step {run['first_step_s']:.1f}s, {run['ms_per_step']:.1f} ms/step)",
             flush=True,
         )
         runs.append(run)
-        result = build_result(runs, lrs, args, params)
+        result = build_result(runs, lrs, args, params, eps)
         result["config"]["eval_tokens"] = eval_tokens
         write_outputs(result, args.out)
     print(common.format_table(result["rows"], ROW_COLUMNS), flush=True)

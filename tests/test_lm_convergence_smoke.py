@@ -1,5 +1,6 @@
 """Smoke test of the LM convergence benchmark on CPU: a 1-layer tiny model, 2 learning rates per
-optimizer, 20 steps; checks the JSON schema, the markdown and the plot. Plus its pure helpers."""
+optimizer and 2 SONew eps values (SONew: the 2 x 2 grid), 20 steps; checks the JSON schema, the
+markdown and the plot. Plus its pure helpers."""
 
 import json
 import math
@@ -15,7 +16,9 @@ ARGV = [
     "--model", "tiny", "--layers", "1", "--batch_size", "2", "--seq_len", "16",
     "--steps", "20", "--eval_every", "10", "--eval_batches", "2", "--warmup_steps", "4",
     "--lrs_adamw", "1e-3,3e-3", "--lrs_adafactor", "1e-3,3e-3", "--lrs_sonew", "1e-3,3e-3",
+    "--sonew_eps", "1e-8,1e-5",
 ]  # fmt: skip
+EPS = [1e-8, 1e-5]
 
 
 def test_steps_to_reach_interpolates():
@@ -29,10 +32,31 @@ def test_steps_to_reach_interpolates():
 
 def test_run_order_round_robin_middle_first():
     order = lm_convergence.run_order({"a": [1.0, 2.0, 3.0, 4.0], "b": [5.0, 6.0, 7.0, 8.0]})
-    assert order[:4] == [("a", 2.0), ("b", 6.0), ("a", 3.0), ("b", 7.0)]
+    assert order[:4] == [("a", 2.0, None), ("b", 6.0, None), ("a", 3.0, None), ("b", 7.0, None)]
     assert sorted(order) == sorted(
-        (n, v) for n in "ab" for v in ([1, 2, 3, 4] if n == "a" else [5, 6, 7, 8])
+        (n, v, None) for n in "ab" for v in ([1, 2, 3, 4] if n == "a" else [5, 6, 7, 8])
     )
+
+
+def test_run_order_sweeps_eps_at_every_lr_middle_first():
+    order = lm_convergence.run_order(
+        {"a": [1.0, 2.0, 3.0], "s": [4.0, 5.0]}, {"s": [0.1, 0.2, 0.3]}
+    )
+    assert order[:5] == [("a", 2.0, None), ("s", 4.0, 0.2), ("s", 4.0, 0.1), ("s", 4.0, 0.3),
+                         ("a", 1.0, None)]  # fmt: skip
+    assert len(order) == len(set(order)) == 3 + 2 * 3
+    assert {(lr, e) for n, lr, e in order if n == "s"} == {
+        (lr, e) for lr in (4.0, 5.0) for e in (0.1, 0.2, 0.3)
+    }
+
+
+def test_sonew_eps_flag():
+    parse = lm_convergence.parse_args
+    assert parse([]).sonew_eps == [lm_convergence.DEFAULT_SONEW_EPS]
+    assert parse(["--sonew_eps", "1e-9,1e-8,1e-7"]).sonew_eps == [1e-9, 1e-8, 1e-7]
+    for bad in ("", "1e-8,1e-8", "-1e-8", "x"):
+        with pytest.raises(SystemExit):
+            parse(["--sonew_eps", bad])
 
 
 def test_adam_decay_rate_is_bias_corrected_ema():
@@ -54,21 +78,50 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     assert out.with_suffix(".md").is_file() and out.with_suffix(".png").stat().st_size > 0
     assert written["config"]["steps"] == 20 and written["config"]["tokenizer"].startswith("byte")
 
-    assert len(written["runs"]) == 6
+    assert written["config"]["hyperparameters"]["sonew_tridiag"]["eps"] == EPS
+    assert len(written["runs"]) == 8
+    grid = {
+        (r["learning_rate"], r["eps"]) for r in written["runs"] if r["optimizer"] == "sonew_tridiag"
+    }
+    assert grid == {(lr, eps) for lr in (1e-3, 3e-3) for eps in EPS}
+    assert all(r["eps"] is None for r in written["runs"] if r["optimizer"] != "sonew_tridiag")
     for run in written["runs"]:
         assert run["curve"]["step"] == [0, 10, 20]
         assert all(math.isfinite(x) for x in run["curve"]["eval_loss"])
         assert run["final_eval_loss"] == run["curve"]["eval_loss"][-1]
     initial = {run["curve"]["eval_loss"][0] for run in written["runs"]}
     assert max(initial) - min(initial) < 1e-5  # same initial parameters for every run
+    sonew = {(r["learning_rate"], r["eps"]): r["final_eval_loss"] for r in written["runs"]}
+    assert sonew[(3e-3, EPS[0])] != sonew[(3e-3, EPS[1])]  # the injected eps takes effect
 
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == set(lm_convergence.OPTIMIZERS)
     keys = {"optimizer", "learning_rate", "final_eval_loss", "steps_to_adamw_final",
             "steps_ratio_vs_adamw"}  # fmt: skip
     for name, row in rows.items():
-        assert keys <= row.keys()
-        best = min(r["final_eval_loss"] for r in written["runs"] if r["optimizer"] == name)
-        assert row["final_eval_loss"] == best
+        assert keys | {"eps", "lr_at_grid_edge", "eps_at_grid_edge"} <= row.keys()
+        best = min(
+            (r for r in written["runs"] if r["optimizer"] == name),
+            key=lambda r: r["final_eval_loss"],
+        )
+        assert (row["final_eval_loss"], row["learning_rate"], row["eps"]) == (
+            best["final_eval_loss"], best["learning_rate"], best["eps"]
+        )  # fmt: skip
+        assert row["lr_at_grid_edge"] is True  # two learning rates: both are edges
+        assert row["eps_at_grid_edge"] is (True if name == "sonew_tridiag" else None)
+    assert rows["sonew_tridiag"]["eps"] in EPS and rows["adamw"]["eps"] is None
     assert rows["adamw"]["steps_ratio_vs_adamw"] == 1.0
     assert rows["adamw"]["final_eval_loss"] < written["runs"][0]["curve"]["eval_loss"][0]
+
+    md = out.with_suffix(".md").read_text()
+    assert "| optimizer | learning_rate | eps |" in md and "by learning rate and eps" in md
+    assert md.count("| sonew_tridiag |") == 1 + 4  # best row, every run
+
+    # --plot_only redraws from a JSON without eps fields (written before eps was swept)
+    for item in (*written["rows"], *written["runs"]):
+        item.pop("eps"), item.pop("eps_at_grid_edge", None)
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps(written))
+    lm_convergence.main(["--plot_only", "--out", str(old)])
+    assert old.with_suffix(".png").stat().st_size > 0
+    assert "by learning rate and eps" not in old.with_suffix(".md").read_text()
