@@ -18,7 +18,7 @@ Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "first_step_s", "tokens_per_s",
 "loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch).
-``sonew_tridiag_bf16`` runs only if sonew accepts ``momentum_dtype``.
+SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_xla``: the XLA path instead of the GPU kernel).
 
 Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
 """
@@ -26,7 +26,6 @@ Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_
 import argparse
 import dataclasses
 import functools
-import inspect
 import json
 import subprocess
 import sys
@@ -42,20 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
 import update_speed
 
-from sonew_pax import optim, optimizers, partitioning
+from sonew_pax import optimizers, partitioning
 from sonew_pax.models import Transformer, TransformerConfig, count_params
 from sonew_pax.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "train_step.json"
-OPTIMIZERS = (
-    "adamw",
-    "adafactor",
-    "sonew_diag",
-    "sonew_tridiag",
-    "sonew_band4",
-    "sonew_tridiag_bf16",
-)
+OPTIMIZERS = ("adamw", "adafactor", *update_speed.SONEW_VARIANTS)
 COLUMNS = (
     "optimizer",
     "step_ms",
@@ -66,7 +58,6 @@ COLUMNS = (
     "first_step_s",
     "loss",
 )
-BANDS = {"sonew_diag": 0, "sonew_tridiag": 1, "sonew_band4": 4, "sonew_tridiag_bf16": 1}
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.1
 
@@ -85,32 +76,15 @@ def load_model_config(
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def _matrices(params):
-    """Weight-decay mask: matrices only (as `sonew_pax.optimizers` does)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
-def sonew_factory(name: str):
-    """The trainer-style factory ``(schedule, *, mesh, param_specs) -> tx`` for a SONew row."""
-    extra = update_speed.bf16_state_kwargs() if name.endswith("_bf16") else {}
-    if extra is None:
-        return None
-    kwargs = {"band": BANDS[name], "weight_decay": WEIGHT_DECAY, **extra}
-    if set(extra) <= set(inspect.signature(optimizers.sonew).parameters):
-        return functools.partial(optimizers.sonew, **kwargs)
-    return functools.partial(optim.sonew, mask=_matrices, **kwargs)
-
-
 def optimizer_factory(name: str, unsharded: bool):
-    """``make_optimizer`` (clipping + the named optimizer) as the Trainer calls it, or None."""
+    """``make_optimizer`` (clipping + the named optimizer) as the Trainer calls it."""
     if name == "adamw":
         factory = functools.partial(optimizers.adamw, weight_decay=WEIGHT_DECAY)
     elif name == "adafactor":
         factory = optimizers.adafactor
     else:
-        factory = sonew_factory(name)
-    if factory is None:
-        return None
+        kwargs = update_speed.SONEW_VARIANTS[name]
+        factory = functools.partial(optimizers.sonew, weight_decay=WEIGHT_DECAY, **kwargs)
     if unsharded:
         plain = factory
 
@@ -146,8 +120,6 @@ def peak_memory_gib(devices=None) -> float | None:
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """Builds the Trainer for optimizer ``name``, times its train step, returns the row."""
     optimizer = optimizer_factory(name, args.unsharded_optimizer)
-    if optimizer is None:
-        return {"optimizer": name, "skipped": "sonew has no momentum_dtype option"}
     config = load_model_config(args.model, args.dtype, args.layers)
     devices = jax.devices()[: args.mesh_data * args.mesh_model]
     mesh = partitioning.make_mesh(data=args.mesh_data, model=args.mesh_model, devices=devices)
@@ -323,13 +295,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     rows = []
     for name in names:
-        if optimizer_factory(name, args.unsharded_optimizer) is None:
-            row = {"optimizer": name, "skipped": "sonew has no momentum_dtype option"}
-        elif args.no_isolate:
-            row = run_one(name, args)
-        else:
-            row = run_isolated(name, args)
-        status = row.get("skipped") or row.get("error") or f"{row['step_ms']:.2f} ms"
+        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
+        status = row.get("error") or f"{row['step_ms']:.2f} ms"
         print(f"{name}: {status}", flush=True)
         rows.append(row)
         result = build_result(rows, args)

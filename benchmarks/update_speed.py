@@ -13,14 +13,16 @@ its bandwidth is the practical ceiling, and ``floor_ratio`` = time / (floor byte
 
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
-"floor_ratio", "bytes_per_param", "ms_min"}]}``. ``sonew_tridiag_bf16`` appears only when
-``sonew_pax.optim.sonew`` accepts ``momentum_dtype``.
+"floor_ratio", "bytes_per_param", "ms_min"}]}``.
+
+SONew rows use ``sonew``'s default ``implementation="auto"``: on GPU the diag and tridiag steps run
+as the Pallas kernel (``sonew_pax/optim/fused.py``). Each ``*_xla`` row is the same optimizer on
+the XLA path, for comparison.
 
 Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
 """
 
 import argparse
-import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -36,36 +38,35 @@ import lm_shapes
 from sonew_pax import optim
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "update_speed.json"
-OPTIMIZERS = ("adamw", "sonew_diag", "sonew_tridiag", "sonew_band4", "sonew_tridiag_bf16")
+# SONew variants by name: their ``sonew`` keyword arguments (besides the learning rate and decay).
+SONEW_VARIANTS = {
+    "sonew_diag": {"band": 0},
+    "sonew_tridiag": {"band": 1},
+    "sonew_band4": {"band": 4},
+    "sonew_tridiag_bf16": {
+        "band": 1,
+        "momentum_dtype": jnp.bfloat16,
+        "offdiag_dtype": jnp.bfloat16,
+    },
+}
+# The variants the Pallas kernel serves, also on the XLA path ("<name>_xla").
+XLA_VARIANTS = {
+    f"{name}_xla": {**kwargs, "implementation": "xla"}
+    for name, kwargs in SONEW_VARIANTS.items()
+    if kwargs["band"] <= 1
+}
+SONEW_VARIANTS.update(XLA_VARIANTS)
+OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 COLUMNS = ("optimizer", "ms", "ms_min", "ratio_vs_adamw", "gbps", "bytes_per_param", "floor_ratio")
-# Names an off-diagonal dtype option might have; the first one sonew accepts is used.
-OFFDIAG_DTYPE_NAMES = ("offdiag_dtype", "off_diagonal_dtype", "e_dtype", "band_dtype")
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.1
 
 
-def bf16_state_kwargs() -> dict | None:
-    """sonew's keyword arguments for bf16 momentum and off-diagonals, or None if unsupported."""
-    accepted = inspect.signature(optim.sonew).parameters
-    if "momentum_dtype" not in accepted:
-        return None
-    kwargs = {"momentum_dtype": jnp.bfloat16}
-    for name in OFFDIAG_DTYPE_NAMES:
-        if name in accepted:
-            kwargs[name] = jnp.bfloat16
-            break
-    return kwargs
-
-
-def make_optimizer(name: str) -> optax.GradientTransformation | None:
-    """The optimizer called ``name`` (see OPTIMIZERS), or None when this sonew cannot build it."""
+def make_optimizer(name: str) -> optax.GradientTransformation:
+    """The optimizer called ``name`` (see OPTIMIZERS)."""
     if name == "adamw":
         return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY)
-    bands = {"sonew_diag": 0, "sonew_tridiag": 1, "sonew_band4": 4, "sonew_tridiag_bf16": 1}
-    extra = bf16_state_kwargs() if name.endswith("_bf16") else {}
-    if extra is None:
-        return None
-    return optim.sonew(LEARNING_RATE, band=bands[name], weight_decay=WEIGHT_DECAY, **extra)
+    return optim.sonew(LEARNING_RATE, weight_decay=WEIGHT_DECAY, **SONEW_VARIANTS[name])
 
 
 def make_update(tx: optax.GradientTransformation, **jit_kwargs) -> Callable:
@@ -199,11 +200,7 @@ def main(argv=None) -> dict:
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
     rows = [make_row("copy", *time_copy(copy_bytes, args), copy_bytes, n)]
     for name in names:
-        tx = make_optimizer(name)
-        if tx is None:
-            print(f"skipping {name}: sonew has no momentum_dtype option", flush=True)
-            continue
-        ms, ms_min, moved = time_optimizer(tx, shapes, grads, args)
+        ms, ms_min, moved = time_optimizer(make_optimizer(name), shapes, grads, args)
         rows.append(make_row(name, ms, ms_min, moved, n))
         print(f"{name}: {ms:.3f} ms", flush=True)
         common.write_json(args.out, build_result(rows, n, args))

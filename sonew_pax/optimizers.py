@@ -136,13 +136,19 @@ def sonew(
     graft_eps: float = 1e-8,
     weight_decay: float = 0.0,
     precondition_1d: bool = False,
+    momentum_dtype: Any = None,
+    offdiag_dtype: Any = None,
+    implementation: str = "auto",
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
     """SONew (`sonew_pax.optim.sonew`): band 0 = diagonal, 1 = tridiagonal, 4 = banded.
 
     The mesh and parameter specs let the update run sharded (halo exchange between shards) with
-    the state in each parameter's own layout.
+    the state in each parameter's own layout. ``momentum_dtype`` / ``offdiag_dtype`` (e.g.
+    ``jnp.bfloat16``; in gin ``%jnp.bfloat16`` is not available, so ``"bfloat16"``) store the first
+    moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
+    kernel or the XLA path (``"auto"``, ``"xla"``, ``"pallas"``).
     """
     return optim.sonew(
         learning_rate,
@@ -156,6 +162,9 @@ def sonew(
         weight_decay=weight_decay,
         mask=_matrices_only,
         precondition_1d=precondition_1d,
+        momentum_dtype=momentum_dtype,
+        offdiag_dtype=offdiag_dtype,
+        implementation=implementation,
         mesh=mesh,
         param_specs=param_specs,
     )

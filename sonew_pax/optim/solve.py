@@ -189,13 +189,17 @@ def precondition(
 ) -> jax.Array:
     """``X v`` for the stable LogDet solution ``X`` of ``H = (h_diag, h_off)``.
 
-    Band 0 (diag-SONew) is ``X = diag(H)^{-1}``: ``v / h`` (zero where ``h <= 0``, as the generic
-    ``S D S`` with ``S = 0`` there), without correlations or a solve. Wider bands run
-    :func:`factorize` then :func:`apply`.
+    Band 0 (diag-SONew) is :func:`diagonal_precondition`, without correlations or a solve. Wider
+    bands run :func:`factorize` then :func:`apply`.
     """
     if h_off.shape[0] == 0:
-        return jnp.where(h_diag > 0, v / jnp.where(h_diag > 0, h_diag, 1), 0)
+        return diagonal_precondition(h_diag, v)
     return apply(factorize(h_diag, h_off, gamma, layout), v, layout)
+
+
+def diagonal_precondition(h_diag: jax.Array, v: jax.Array) -> jax.Array:
+    """Band 0: ``X v = v / h`` (zero where ``h <= 0``, as the generic ``S D S`` with ``S = 0``)."""
+    return jnp.where(h_diag > 0, v / jnp.where(h_diag > 0, h_diag, 1), 0)
 
 
 def apply(factor: BandedFactor, v: jax.Array, layout: ChainLayout) -> jax.Array:

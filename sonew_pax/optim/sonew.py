@@ -30,8 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sonew_pax.optim import solve
+from sonew_pax.optim import fused, pointwise, solve
 from sonew_pax.optim.chain import ChainLayout, norms, shift, shift_many
+from sonew_pax.optim.pointwise import Hyper, Raw, Step
 
 GRAFTS = ("adam", "none")
 # Defaults. ``eps`` is an absolute damping added to the bias-corrected diagonal. SONew's direction
@@ -60,18 +61,6 @@ class ScaleBySONewState(NamedTuple):
     m: optax.Updates
     d: optax.Updates
     e: optax.Updates
-
-
-class _Hyper(NamedTuple):
-    """Hyperparameters of one step: numbers (arrays under ``inject_hyperparams``) and flags."""
-
-    b1: Any
-    b2: Any
-    eps: Any
-    gamma: Any
-    graft_eps: Any
-    graft: str
-    precondition_1d: bool
 
 
 def _check_fraction(name: str, value: Any) -> None:
@@ -107,7 +96,7 @@ def _as_dtype(dtype: Any) -> np.dtype:
     return jnp.dtype(getattr(dtype, "dtype", dtype))
 
 
-def _validate(hyper: _Hyper, mesh: Any, param_specs: Any) -> None:
+def _validate(hyper: Hyper, mesh: Any, param_specs: Any) -> None:
     """Raises ``ValueError`` naming the offending argument."""
     if hyper.graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {hyper.graft!r}.")
@@ -123,57 +112,44 @@ def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
     return ndim >= 2 or precondition_1d
 
 
-def _graft_ratio(target: jax.Array, direction: jax.Array, layout: ChainLayout) -> jax.Array:
-    """``||target|| / ||direction||`` (0 when ``direction`` is 0); both safe norms in one pass."""
-    num, den = norms([target, direction], layout)
-    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
-class _Raw(NamedTuple):
-    """A tensor's gradient and stored state ``(g, m, d)``, as read (or shifted) from memory."""
+def _use_kernel(implementation: str, layout: ChainLayout, band: int) -> bool:
+    """Whether this tensor's step runs as the Pallas kernel (``fused.py``).
 
-    g: jax.Array
-    m: jax.Array
-    d: jax.Array
-
-
-def _moments(raw: _Raw, corrections, hyper: _Hyper) -> tuple[jax.Array, jax.Array]:
-    """The updated first and diagonal moments ``(m, d)`` before bias correction."""
-    m = hyper.b1 * raw.m.astype(raw.d.dtype) + (1 - hyper.b1) * raw.g
-    d = hyper.b2 * raw.d + (1 - hyper.b2) * jnp.square(raw.g)
-    return m, d
-
-
-def _tridiagonal_direction(
-    raw: _Raw, e: jax.Array, corrections, hyper: _Hyper, layout: ChainLayout
-) -> tuple[jax.Array, jax.Array]:
-    """Band 1 in one fused pass: ``(X m_hat, e_new)`` from the raw state shifted by +-1 only.
-
-    ``u_j = s_j [D_j (w_j + l_j w_{j+1}) + l_{j-1} D_{j-1} (w_{j-1} + l_{j-1} w_j)]`` with
-    ``w = s m_hat`` and ``(l, D)`` from Theorem 1 (``solve.tridiagonal_inverse``): the same math as
-    ``solve.apply(solve.factorize(...))``, but every per-vertex and per-edge quantity at ``j - 1``,
-    ``j`` and ``j + 1`` is recomputed from shifted *inputs*, so XLA fuses the whole update into one
-    pass over memory instead of materialising ``S``, ``L``, ``D`` and ``S m_hat``.
+    ``"auto"``: on GPU, wherever the kernel applies (band 0 or 1, unsharded); ``"pallas"``: wherever
+    it applies, on any backend (the interpreter off GPU: slow, for tests); ``"xla"``: never.
     """
+    if implementation == "xla" or not fused.supported(layout, band):
+        return False
+    return implementation == "pallas" or jax.default_backend() == "gpu"
+
+
+def _banded_step(
+    raw: Raw, e: Any, corrections, hyper: Hyper, layout: ChainLayout
+) -> tuple[Step, tuple[jax.Array, jax.Array] | None]:
+    """The XLA path: :mod:`pointwise` on chain shifts for bands 0 and 1, the generic banded solve
+    (``solve.precondition``) for wider bands; the grafting norms in one reduction."""
     bc1, bc2 = corrections
-    e_stored = e[0].astype(raw.d.dtype)
-    state = [raw.g, raw.m.astype(raw.d.dtype), raw.d]
-    after = shift_many(state, 1, layout)
-    *before, e_before = shift_many([*state, e_stored], -1, layout)
-    at = {-1: _Raw(*before), 0: raw, 1: _Raw(*after)}
-    m_hat, scale = {}, {}
-    for k, r in at.items():
-        m_k, d_k = _moments(r, corrections, hyper)
-        m_hat[k] = m_k / bc1
-        scale[k] = solve.unit_scale(d_k / bc2 + hyper.eps)
-    e_next = hyper.b2 * e_stored + (1 - hyper.b2) * raw.g * at[1].g  # edge (j, j+1)
-    e_prev = hyper.b2 * e_before + (1 - hyper.b2) * at[-1].g * raw.g  # edge (j-1, j)
-    lower, diag = solve.tridiagonal_inverse(e_next / bc2 * scale[0] * scale[1], hyper.gamma)
-    lower_p, diag_p = solve.tridiagonal_inverse(e_prev / bc2 * scale[-1] * scale[0], hyper.gamma)
-    w = {k: scale[k] * m_hat[k] for k in at}
-    z = diag * (w[0] + lower[0] * w[1])
-    z_prev = diag_p * (w[-1] + lower_p[0] * w[0])
-    return scale[0] * (z + lower_p[0] * z_prev), e_next[None]
+    band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
+    if band == 0:
+        step = pointwise.diagonal_step(raw, corrections, hyper)
+    elif band == 1:
+        state = [raw.g, raw.m.astype(raw.d.dtype), raw.d]
+        e_at = e[0].astype(raw.d.dtype)
+        after = shift_many(state, 1, layout)
+        *before, e_before = shift_many([*state, e_at], -1, layout)
+        at = {-1: Raw(*before), 0: raw, 1: Raw(*after)}
+        step = pointwise.tridiagonal_step(at, e_at, e_before, corrections, hyper)
+    else:
+        m, d = pointwise.moments(raw, hyper)
+        successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
+        e_new = hyper.b2 * e.astype(raw.d.dtype) + (1 - hyper.b2) * raw.g * successors
+        u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
+        step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
+    grafting = norms([step.adam, step.u], layout) if hyper.graft == "adam" else None
+    return step, grafting
 
 
 def _leaf_update(
@@ -182,35 +158,29 @@ def _leaf_update(
     d: jax.Array,
     e: Any,
     corrections: tuple[jax.Array, jax.Array],
-    hyper: _Hyper,
+    hyper: Hyper,
     layout: ChainLayout,
+    implementation: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
     """One tensor's SONew step (module docstring); returns ``(u, m, d, e)``."""
-    bc1, bc2 = corrections
-    compute = d.dtype  # stats_dtype: all arithmetic runs in it, whatever m's and e's storage dtype
-    raw = _Raw(g.astype(compute), m, d)
-    m_new, d_new = _moments(raw, corrections, hyper)
-    m_hat, d_hat = m_new / bc1, d_new / bc2
-    m_out = m_new.astype(m.dtype)
-    adam = m_hat / (jnp.sqrt(d_hat) + hyper.graft_eps)
+    raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
-        return adam.astype(g.dtype), m_out, d_new, e
+        m_new, d_new = pointwise.moments(raw, hyper)
+        adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
+        return adam.astype(g.dtype), m_new.astype(m.dtype), d_new, e
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
-    if band == 1:
-        u, e_new = _tridiagonal_direction(raw, e, corrections, hyper, layout)
-        e = e_new.astype(e.dtype)
+    if _use_kernel(implementation, layout, band):
+        u, m_new, d_new, e_new, grafting = fused.leaf_update(
+            g, m, d, e, corrections, hyper, interpret=jax.default_backend() != "gpu"
+        )
     else:
-        if band:
-            successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
-            e_new = hyper.b2 * e.astype(compute) + (1 - hyper.b2) * raw.g * successors
-            e_hat = e_new / bc2
-            e = e_new.astype(e.dtype)
-        else:
-            e_hat = jnp.zeros((0, *raw.g.shape), compute)
-        u = solve.precondition(d_hat + hyper.eps, e_hat, m_hat, hyper.gamma, layout)
-    if hyper.graft == "adam":
-        u = u * _graft_ratio(adam, u, layout)
-    return u.astype(g.dtype), m_out, d_new, e
+        step, grafting = _banded_step(raw, e, corrections, hyper, layout)
+        u, m_new, d_new = step.u, step.m.astype(m.dtype), step.d
+        e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
+    if grafting is not None:
+        num, den = grafting
+        u = u * jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
+    return u.astype(g.dtype), m_new, d_new, e_new
 
 
 def scale_by_sonew(
@@ -227,6 +197,7 @@ def scale_by_sonew(
     param_specs: Any = None,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
+    implementation: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -252,12 +223,20 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
+      implementation: ``"auto"`` runs the diag and tridiag step of every unsharded tensor as one
+        Pallas kernel on GPU (``fused.py``: the update's memory traffic near its floor) and XLA
+        elsewhere; ``"xla"`` always XLA; ``"pallas"`` the kernel wherever it applies, also off
+        GPU (in Pallas' interpreter: slow, for tests). Results agree to float rounding.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
     """
-    hyper = _Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
+    hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
     _validate(hyper, mesh, param_specs)
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
+        )
     static_band = _static_band(band)
     stats_dtype = _as_dtype(stats_dtype)
     momentum_dtype = stats_dtype if momentum_dtype is None else _as_dtype(momentum_dtype)
@@ -289,19 +268,21 @@ def scale_by_sonew(
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
-        step = _make_step(hyper, mesh, param_specs)
+        step = _make_step(hyper, mesh, param_specs, implementation)
         u, m, d, e = step(updates, state.m, state.d, state.e, corrections)
         return u, ScaleBySONewState(count, m, d, e)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _make_step(hyper: _Hyper, mesh: Any, param_specs: Any) -> Callable:
+def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -> Callable:
     """The whole-tree step ``(updates, m, d, e, corrections) -> (u, m, d, e)``."""
 
     def tree_step(updates, m, d, e, corrections, layouts):
         flat = jax.tree.map(
-            lambda g, mi, di, ei, lay: _leaf_update(g, mi, di, ei, corrections, hyper, lay),
+            lambda g, mi, di, ei, lay: _leaf_update(
+                g, mi, di, ei, corrections, hyper, lay, implementation
+            ),
             updates,
             m,
             d,
@@ -344,6 +325,7 @@ def sonew(
     param_specs: Any = None,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
+    implementation: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -374,6 +356,7 @@ def sonew(
             param_specs=param_specs,
             momentum_dtype=momentum_dtype,
             offdiag_dtype=offdiag_dtype,
+            implementation=implementation,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),

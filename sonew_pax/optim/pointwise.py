@@ -1,0 +1,104 @@
+"""The per-element math of one diag or tridiag SONew step, shared by both implementations.
+
+For band 0 and band 1 every output at chain position ``j`` is a function of the gradient and the
+stored state at ``j - 1``, ``j`` and ``j + 1`` only (Theorem 1 in closed form). These functions take
+those values as arrays -- however they were obtained -- and return the step's outputs:
+
+* the XLA path (``sonew.py``) passes whole tensors and their chain shifts (``chain.shift``);
+* the Pallas kernel (``fused.py``) passes the blocks it loaded at ``j`` and at the chain neighbours
+  of ``j``.
+
+So the two implementations cannot drift apart: they differ only in how values reach registers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from sonew_pax.optim import solve
+
+
+class Hyper(NamedTuple):
+    """Hyperparameters of one step: numbers (arrays under ``inject_hyperparams``) and flags."""
+
+    b1: Any
+    b2: Any
+    eps: Any
+    gamma: Any
+    graft_eps: Any
+    graft: str
+    precondition_1d: bool
+
+
+class Raw(NamedTuple):
+    """A tensor's gradient and stored state ``(g, m, d)``, as read (or shifted) from memory."""
+
+    g: jax.Array
+    m: jax.Array
+    d: jax.Array
+
+
+class Step(NamedTuple):
+    """One element's outputs: Adam's direction, SONew's (ungrafted) ``X m_hat`` and the new state.
+
+    ``e`` is the new statistic of the edge ``(j, j + 1)`` (band 1) or ``None`` (band 0).
+    """
+
+    adam: jax.Array
+    u: jax.Array
+    m: jax.Array
+    d: jax.Array
+    e: jax.Array | None
+
+
+def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
+    """The updated first and diagonal moments ``(m, d)`` before bias correction (``d``'s dtype)."""
+    m = hyper.b1 * raw.m.astype(raw.d.dtype) + (1 - hyper.b1) * raw.g
+    d = hyper.b2 * raw.d + (1 - hyper.b2) * jnp.square(raw.g)
+    return m, d
+
+
+def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: Hyper) -> jax.Array:
+    """``m_hat / (sqrt(d_hat) + graft_eps)``: the direction SONew's is grafted onto."""
+    bc1, bc2 = corrections
+    return (m / bc1) / (jnp.sqrt(d / bc2) + hyper.graft_eps)
+
+
+def diagonal_step(raw: Raw, corrections, hyper: Hyper) -> Step:
+    """Band 0 (diag-SONew): ``u = m_hat / (d_hat + eps)``."""
+    bc1, bc2 = corrections
+    m, d = moments(raw, hyper)
+    u = solve.diagonal_precondition(d / bc2 + hyper.eps, m / bc1)
+    return Step(adam_direction(m, d, corrections, hyper), u, m, d, None)
+
+
+def tridiagonal_step(
+    at: dict[int, Raw], e_at: jax.Array, e_before: jax.Array, corrections, hyper: Hyper
+) -> Step:
+    """Band 1 at position ``j`` from the raw values at ``j - 1``, ``j``, ``j + 1`` (``at[k]``).
+
+    ``u_j = s_j [D_j (w_j + l_j w_{j+1}) + l_{j-1} D_{j-1} (w_{j-1} + l_{j-1} w_j)]`` with
+    ``w = s m_hat``, ``s = (d_hat + eps)^{-1/2}`` and ``(l, D)`` from Theorem 1
+    (``solve.tridiagonal_inverse``) on the correlations of the edges ``(j-1, j)`` and ``(j, j+1)``:
+    the same math as ``solve.apply(solve.factorize(...))``, with every per-vertex and per-edge
+    quantity recomputed from the raw neighbours instead of read from materialised ``S``, ``L``,
+    ``D`` arrays. ``e_at`` and ``e_before`` are the stored statistics of edges ``(j, j+1)`` and
+    ``(j-1, j)`` (zero past the chain's ends, as every neighbour value is).
+    """
+    bc1, bc2 = corrections
+    moment = {k: moments(r, hyper) for k, r in at.items()}
+    scale = {k: solve.unit_scale(d / bc2 + hyper.eps) for k, (_, d) in moment.items()}
+    w = {k: scale[k] * (m / bc1) for k, (m, _) in moment.items()}
+    g = {k: r.g for k, r in at.items()}
+    e_next = hyper.b2 * e_at + (1 - hyper.b2) * g[0] * g[1]  # edge (j, j+1)
+    e_prev = hyper.b2 * e_before + (1 - hyper.b2) * g[-1] * g[0]  # edge (j-1, j)
+    lower, diag = solve.tridiagonal_inverse(e_next / bc2 * scale[0] * scale[1], hyper.gamma)
+    lower_p, diag_p = solve.tridiagonal_inverse(e_prev / bc2 * scale[-1] * scale[0], hyper.gamma)
+    z = diag * (w[0] + lower[0] * w[1])
+    z_prev = diag_p * (w[-1] + lower_p[0] * w[0])
+    u = scale[0] * (z + lower_p[0] * z_prev)
+    m, d = moment[0]
+    return Step(adam_direction(m, d, corrections, hyper), u, m, d, e_next)

@@ -1,0 +1,152 @@
+"""The Pallas kernel path (``fused.py``) equals the XLA path.
+
+Off GPU the kernel runs in Pallas' interpreter, so these tests check the kernel's indexing (chain
+neighbours, block edges, masks) and its per-block norms on CPU; on a GPU machine the same tests
+compile it with Triton. Every comparison is against ``implementation="xla"``, itself checked
+against the dense float64 reference in ``test_sonew_math.py``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sonew_pax.optim import fused, sonew
+from sonew_pax.optim.chain import ChainLayout
+from tests.test_sonew_sharded import make_mesh, run
+
+# Several blocks (2400 elements > fused.BLOCK), 1-D to 4-D, sizes 1 and a ragged last block.
+SHAPES = {"mat": (40, 60), "col": (7, 1), "row": (1, 9), "cube": (3, 4, 5), "quad": (2, 3, 2, 3)}
+SHAPES_1D = {"vec": (33,), "one": (1,)}
+
+
+def _trajectory(shapes, kinds, seed=0, dtype=jnp.float64):
+    """Gradients per step: normal, or hostile (``zero``: all zeros; ``equal``: one value, so every
+    neighbour correlation is 1 and Algorithm 3 cuts every edge; ``tiny``: 1e-30)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for kind in kinds:
+        grads = {}
+        for k, shape in shapes.items():
+            g = rng.normal(size=shape)
+            g = {"normal": g, "zero": 0 * g, "equal": np.full(shape, 0.3), "tiny": 1e-30 * g}[kind]
+            grads[k] = jnp.asarray(g, dtype)
+        out.append(grads)
+    return out
+
+
+def _assert_close(expect, got, rtol):
+    for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert a.shape == b.shape
+        assert np.linalg.norm(b - a) <= rtol * np.linalg.norm(a) + 1e-300, (a.shape, rtol)
+
+
+@pytest.mark.parametrize("shape", [(1,), (6,), (5, 1), (1, 5), (4, 7), (3, 4, 5), (2, 1, 3, 2)])
+def test_chain_neighbour_is_the_fortran_order_successor(shape):
+    size = int(np.prod(shape))
+    # position[f]: chain index of the element at row-major offset f; order: its inverse.
+    position = np.arange(size).reshape(shape, order="F").reshape(-1)
+    order = np.argsort(position)
+    offsets = jnp.arange(size, dtype=jnp.int32)
+    for step in (1, -1):
+        got, exists = fused.chain_neighbour(offsets, shape, step)
+        target = position + step
+        expect_exists = (target >= 0) & (target < size)
+        np.testing.assert_array_equal(np.asarray(exists), expect_exists)
+        np.testing.assert_array_equal(np.asarray(got)[expect_exists], order[target[expect_exists]])
+
+
+@pytest.mark.parametrize("band", [0, 1])
+@pytest.mark.parametrize("graft", ["adam", "none"])
+def test_kernel_equals_xla(x64, band, graft):
+    shapes = {**SHAPES, **SHAPES_1D}
+    params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
+    grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
+    kwargs = dict(band=band, graft=graft, precondition_1d=True, stats_dtype=jnp.float64)
+    expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    got = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    _assert_close(expect, got, 1e-11)
+
+
+@pytest.mark.parametrize("band", [0, 1])
+def test_kernel_with_bf16_storage_and_float32(band):
+    """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
+    the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
+    (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
+    shapes = {"mat": (40, 60), "cube": (3, 4, 5), "bias": (60,)}
+    params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
+    grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
+    kwargs = dict(band=band, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
+    expect_updates, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    got_updates, got_state = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    for a, b in zip(jax.tree.leaves(expect_state), jax.tree.leaves(got_state), strict=True):
+        assert a.dtype == b.dtype
+    # bf16 outputs: the paths may round a value to neighbouring bf16 numbers.
+    _assert_close(expect_updates, got_updates, 5e-3)
+    _assert_close(expect_state, got_state, 5e-3)
+
+
+def test_kernel_under_inject_hyperparams_and_vmap(x64):
+    """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
+    learning rates and eps, as the autoencoder benchmark sweeps them."""
+    shapes = {"mat": (40, 60), "cube": (3, 4, 5)}
+
+    def make(implementation):
+        return optax.inject_hyperparams(sonew, static_args=("band",))(
+            learning_rate=0.1,
+            eps=1e-8,
+            band=1,
+            stats_dtype=jnp.float64,
+            implementation=implementation,
+        )
+
+    def trajectory(implementation, lrs, epss):
+        tx = make(implementation)
+        params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
+
+        def one(lr, eps):
+            state = tx.init(params)
+            state.hyperparams["learning_rate"] = lr
+            state.hyperparams["eps"] = eps
+            p = params
+            for grads in _trajectory(shapes, ["normal"] * 3):
+                updates, state = tx.update(grads, state, p)
+                p = optax.apply_updates(p, updates)
+            return p
+
+        return jax.jit(jax.vmap(one))(lrs, epss)
+
+    lrs, epss = jnp.array([0.1, 0.01, 1.0]), jnp.array([1e-8, 1e-2, 1e-6])
+    _assert_close(trajectory("xla", lrs, epss), trajectory("pallas", lrs, epss), 1e-11)
+
+
+def test_sharded_tensors_keep_the_xla_path(x64):
+    """Under a mesh, sharded tensors take the halo-exchange path and replicated ones the kernel;
+    the result equals the unsharded optimizer."""
+    mesh = make_mesh((2, 4))
+    shapes = {"cols": (5, 8), "rows": (8, 3), "rep": (6, 7)}
+    specs = {"cols": P(None, "model"), "rows": P("data", None), "rep": P()}
+    assert not fused.supported(ChainLayout((5, 8), ((), ("model",)), (1, 4)), 1)
+    assert fused.supported(ChainLayout.unsharded((6, 7)), 1)
+    assert fused.supported(ChainLayout((6, 7), (("data",), ()), (1, 1)), 1)  # one-device mesh
+    assert not fused.supported(ChainLayout.unsharded((6, 7)), 2)
+    params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
+    grads = _trajectory(shapes, ["normal"] * 3)
+    kwargs = dict(band=1, stats_dtype=jnp.float64)
+    expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    got = run(
+        sonew(0.1, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs),
+        params,
+        grads,
+        mesh,
+        specs,
+    )
+    _assert_close(expect, got, 1e-11)
+
+
+def test_unknown_implementation_is_named():
+    with pytest.raises(ValueError, match="implementation"):
+        sonew(0.1, implementation="triton")
