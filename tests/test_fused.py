@@ -17,8 +17,16 @@ from sonew_pax.optim import fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
-# Several blocks (2400 elements > fused.BLOCK), 1-D to 4-D, sizes 1 and a ragged last block.
-SHAPES = {"mat": (40, 60), "col": (7, 1), "row": (1, 9), "cube": (3, 4, 5), "quad": (2, 3, 2, 3)}
+# 1-D to 4-D; several tiles of fused.TILE_ROWS x TILE_COLS (32 x 64) with ragged last ones, so
+# row chunks meet at halos; views with one row or one column; size 1.
+SHAPES = {
+    "mat": (70, 130),
+    "col": (7, 1),
+    "row": (1, 9),
+    "cube": (3, 4, 5),
+    "tall": (33, 2, 3),
+    "quad": (2, 3, 2, 3),
+}
 SHAPES_1D = {"vec": (33,), "one": (1,)}
 
 
@@ -76,7 +84,7 @@ def test_kernel_with_bf16_storage_and_float32(band):
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
-    shapes = {"mat": (40, 60), "cube": (3, 4, 5), "bias": (60,)}
+    shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
     kwargs = dict(band=band, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
@@ -84,15 +92,17 @@ def test_kernel_with_bf16_storage_and_float32(band):
     got_updates, got_state = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
     for a, b in zip(jax.tree.leaves(expect_state), jax.tree.leaves(got_state), strict=True):
         assert a.dtype == b.dtype
-    # bf16 outputs: the paths may round a value to neighbouring bf16 numbers.
-    _assert_close(expect_updates, got_updates, 5e-3)
-    _assert_close(expect_state, got_state, 5e-3)
+    # bf16 outputs: the paths may round a value to neighbouring bf16 numbers (0.4% apart), and a
+    # flipped rounding of the stored momentum moves later directions by about as much (in float32
+    # storage the paths agree to 1e-6).
+    _assert_close(expect_updates, got_updates, 1.5e-2)
+    _assert_close(expect_state, got_state, 1.5e-2)
 
 
 def test_kernel_under_inject_hyperparams_and_vmap(x64):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
     learning rates and eps, as the autoencoder benchmark sweeps them."""
-    shapes = {"mat": (40, 60), "cube": (3, 4, 5)}
+    shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
 
     def make(implementation):
         return optax.inject_hyperparams(sonew, static_args=("band",))(

@@ -1,30 +1,28 @@
-"""The diag and tridiag SONew step of one tensor as a single Pallas kernel (GPU, Triton).
+"""The diag and tridiag SONew step of one tensor as Pallas kernels (GPU, Triton), state in place.
 
 XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) into several passes
-over memory: the shifts are slices and concatenations that it will not fuse into their expensive
-consumers, and the grafting norms re-read what the elementwise fusion wrote. This kernel makes the
-bytes moved the floor of a two-pass update:
+over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
+update the donated state in place: it copies every state array once more. Here:
 
-* **pass 1 (this kernel):** every program reads one contiguous block of ``g``, ``m``, ``d`` (and
-  ``e``) plus the same arrays at each element's chain neighbours -- masked gathers whose addresses
-  are still contiguous across a warp (``+-`` one row of axis 0, or the wrap into the next column),
-  so they hit the cache lines the neighbouring blocks load -- and writes the new ``m``, ``d``,
-  ``e``, the ungrafted direction ``u`` and, per block, the partial norms of Adam's direction and
-  of ``u`` as ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
-  ``chain.norms``);
-* **pass 2 (XLA):** ``u * ||adam|| / ||u||``, fused by XLA with weight decay, the learning rate and
+* **the step kernel** tiles the 2-D view of the tensor (:func:`tile_view`: axis 0 by the rest,
+  the chain running down the columns) in ``rows x cols`` tiles. A program reads its tile of
+  ``g``, ``m``, ``d`` (and ``e``), the rows just above and below it, and at the top and bottom of
+  the tensor the wrapped chain neighbours (:func:`chain_neighbour`); it writes the direction
+  ``u``, per tile the partial norms of Adam's direction and of ``u`` as ``(max |x|, sum (x /
+  max)^2)`` pairs (safe from overflow and underflow, like ``chain.norms``), and the new state
+  **in place** -- except the first and last row of each row chunk, which other programs read as
+  neighbours: those go to a small side buffer (``2 / rows`` of the state);
+* **the write-back kernel** copies the side buffer into the state (band 1 only);
+* **XLA** then computes ``u * ||adam|| / ||u||``, fused with weight decay, the learning rate and
   ``optax.apply_updates``.
 
-fp32 tridiag moves 32 B/param in pass 1 and 12 in pass 2, against 28 for a fused AdamW. The math
-is ``pointwise``'s, the same functions the XLA path runs, so results agree to float rounding (the
-norms are summed in another order). ``interpret=True`` runs the kernel with Pallas' interpreter
-(any backend; the tests use it on CPU).
+fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass, against 28 for a
+fused AdamW, with two kernel launches per tensor. The math is ``pointwise``'s, the same functions
+the XLA path runs, so results agree to float rounding (the norms are summed in another order).
+``interpret=True`` runs the kernels in Pallas' interpreter (any backend; the tests use it on CPU).
 
-The chain is the tensor in Fortran order (``chain.py``). For the row-major element at flat offset
-``f``, its successor is one step along the first axis whose index can still grow (the earlier
-ones wrap to 0), and its predecessor symmetrically: a handful of integer operations per element.
-Only tensors that live whole on the device take this path (sharded ones need halos, which the XLA
-path exchanges), with fewer than ``2**31`` elements (int32 offsets).
+Only tensors that live whole on the device take this path (sharded ones need halos from other
+devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int32 offsets).
 """
 
 from __future__ import annotations
@@ -40,8 +38,9 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout
 
-BLOCK = 1024  # elements per program: 8 per thread with 4 warps
-NUM_WARPS = 4
+TILE_ROWS = 32  # rows x cols of the view per program: 8 elements per thread with 8 warps; the
+TILE_COLS = 64  # side buffer holds 2 / TILE_ROWS of the state
+NUM_WARPS = 8
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
@@ -75,49 +74,117 @@ def chain_neighbour(f: jax.Array, shape: tuple[int, ...], step: int) -> tuple[ja
     return out, found
 
 
-def _kernel(scalars_ref, g_ref, m_ref, d_ref, *refs, shape, band, graft, block):
-    """One block of ``block`` elements: pass 1 of the module docstring."""
+def tile_view(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The 2-D row-major view ``(R, C)`` the kernels tile: axis 0 by the rest (``(1, n)`` for 1-D).
+
+    The chain runs down each column of the view (``+-C`` in memory) and wraps from the bottom of
+    one column to the top of the next column in Fortran order of the trailing axes.
+    """
+    if len(shape) == 1:
+        return 1, shape[0]
+    return shape[0], math.prod(shape[1:])
+
+
+def _chunk_rows(i, rows: int, num_rows: int):
+    """First and last row of the view in row chunk ``i``."""
+    return i * rows, jnp.minimum((i + 1) * rows, num_rows) - 1
+
+
+def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
+    """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
     if band:
-        e_ref, u_ref, m_out, d_out, e_out, parts_ref = refs
+        g_ref, m_ref, d_ref, e_ref, u_ref, m_out, d_out, e_out, *side_refs, parts_ref = refs
     else:
-        u_ref, m_out, d_out, parts_ref = refs
-    program = pl.program_id(0)
-    f = program * block + jnp.arange(block, dtype=jnp.int32)
-    valid = f < math.prod(shape)
-    values = {name: scalars_ref[i] for i, name in enumerate(_SCALARS)}
+        g_ref, m_ref, d_ref, u_ref, m_out, d_out, parts_ref = refs
+    num_rows, num_cols = tile_view(shape)
+    i, j = pl.program_id(0), pl.program_id(1)
+    r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
+    c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
+    in_cols = c < num_cols
+    valid = (r < num_rows) & in_cols
+    offset = r * num_cols + c
+    values = {name: scalars_ref[k] for k, name in enumerate(_SCALARS)}
     hyper = pointwise.Hyper(
         **{k: values[k] for k in _SCALARS[:5]}, graft=graft, precondition_1d=True
     )
     corrections = (values["bc1"], values["bc2"])
     compute = d_ref.dtype
 
-    def read(ref, offset, mask):
-        return plgpu.load(ref.at[offset], mask=mask, other=0).astype(compute)
+    def read(ref, at, mask):
+        return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
 
-    def raw_at(offset, mask):
-        return pointwise.Raw(
-            read(g_ref, offset, mask), read(m_ref, offset, mask), read(d_ref, offset, mask)
-        )
+    def here(ref):
+        return read(ref, offset, valid)
 
-    raw = raw_at(f, valid)
+    raw = pointwise.Raw(here(g_ref), here(m_ref), here(d_ref))
+    outputs = [(m_out, "m"), (d_out, "d")]
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
     else:
-        after, has_after = chain_neighbour(f, shape, 1)
-        before, has_before = chain_neighbour(f, shape, -1)
-        at = {-1: raw_at(before, valid & has_before), 0: raw, 1: raw_at(after, valid & has_after)}
-        step = pointwise.tridiagonal_step(
-            at, read(e_ref, f, valid), read(e_ref, before, valid & has_before), corrections, hyper
-        )
-        plgpu.store(e_out.at[f], step.e.astype(e_out.dtype), mask=valid)
-    for ref, x in ((u_ref, step.u), (m_out, step.m), (d_out, step.d)):
-        plgpu.store(ref.at[f], x.astype(ref.dtype), mask=valid)
+        # Chain neighbours: one row up or down, or at the tensor's top and bottom the wrap into
+        # the previous / next column in Fortran order (per column, so computed on ``c`` alone).
+        top, bottom = r == 0, r == num_rows - 1
+        wrap_before, has_before = chain_neighbour(c, shape, -1)
+        wrap_after, has_after = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
+
+        def before(ref):
+            wrapped = read(ref, wrap_before, in_cols & has_before)
+            return jnp.where(top, wrapped, read(ref, offset - num_cols, valid & ~top))
+
+        def after(ref):
+            wrapped = read(ref, wrap_after, in_cols & has_after)
+            return jnp.where(bottom, wrapped, read(ref, offset + num_cols, valid & ~bottom))
+
+        at = {
+            -1: pointwise.Raw(before(g_ref), before(m_ref), before(d_ref)),
+            0: raw,
+            1: pointwise.Raw(after(g_ref), after(m_ref), after(d_ref)),
+        }
+        e_here, e_before = here(e_ref), before(e_ref)
+        if not interpret:
+            # Every thread has read its neighbours' rows before any thread overwrites them.
+            plgpu.debug_barrier()
+        step = pointwise.tridiagonal_step(at, e_here, e_before, corrections, hyper)
+        outputs.append((e_out, "e"))
+    plgpu.store(u_ref.at[offset], step.u.astype(u_ref.dtype), mask=valid)
+    if band:
+        first, last = _chunk_rows(i, rows, num_rows)
+        edge = (r == first) | (r == last)
+        row_cols = j * cols + jnp.arange(cols, dtype=jnp.int32)
+        for (ref, name), side_ref in zip(outputs, side_refs, strict=True):
+            x = getattr(step, name)
+            plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid & ~edge)
+            for slot, row in enumerate((first, last)):
+                # The tile's row ``row`` as a vector (a sum over one nonzero term: exact).
+                values = jnp.sum(jnp.where(r == row, x, 0), axis=0)
+                at = (2 * i + slot) * num_cols + row_cols
+                plgpu.store(
+                    side_ref.at[at], values.astype(side_ref.dtype), mask=row_cols < num_cols
+                )
+    else:
+        for ref, name in outputs:
+            plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
     for k, x in enumerate((step.adam, step.u)):
         magnitude = jnp.where(valid, jnp.abs(x), 0)
-        top = jnp.max(magnitude)
-        scaled = magnitude / jnp.where(top > 0, top, 1)
-        parts_ref[program, 2 * k] = top
-        parts_ref[program, 2 * k + 1] = jnp.sum(scaled * scaled)
+        top_value = jnp.max(magnitude)
+        scaled = magnitude / jnp.where(top_value > 0, top_value, 1)
+        parts_ref[i, j, 2 * k] = top_value
+        parts_ref[i, j, 2 * k + 1] = jnp.sum(scaled * scaled)
+
+
+def _write_back_kernel(*refs, shape, rows, cols):
+    """Copies the side buffer's first and last rows of row chunk ``i`` into the state."""
+    count = len(refs) // 3
+    side_refs, outs = refs[:count], refs[2 * count :]
+    num_rows, num_cols = tile_view(shape)
+    i, j = pl.program_id(0), pl.program_id(1)
+    c = j * cols + jnp.arange(cols, dtype=jnp.int32)
+    in_cols = c < num_cols
+    first, last = _chunk_rows(i, rows, num_rows)
+    for slot, row, mask in ((0, first, in_cols), (1, last, in_cols & (last != first))):
+        for side_ref, out in zip(side_refs, outs, strict=True):
+            x = plgpu.load(side_ref.at[(2 * i + slot) * num_cols + c], mask=mask, other=0)
+            plgpu.store(out.at[row * num_cols + c], x, mask=mask)
 
 
 def leaf_update(
@@ -129,51 +196,71 @@ def leaf_update(
     hyper: pointwise.Hyper,
     *,
     interpret: bool = False,
+    rows: int = TILE_ROWS,
+    cols: int = TILE_COLS,
+    num_warps: int = NUM_WARPS,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, tuple[jax.Array, jax.Array] | None]:
-    """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step in one kernel.
+    """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
 
-    Returns ``(u, m, d, e, norms)``: the ungrafted direction in ``d``'s dtype, the new state in
-    the stored dtypes, and ``(||adam||, ||u||)`` (``None`` unless ``hyper.graft == "adam"``).
+    ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``rows x cols``
+    (powers of 2) is the tile of the view (:func:`tile_view`) one program handles, with
+    ``num_warps`` warps; tuning knobs (``benchmarks/kernel_speed.py``). Returns
+    ``(u, m, d, e, norms)``: the ungrafted direction in ``d``'s dtype, the new state in the stored
+    dtypes, and ``(||adam||, ||u||)`` (``None`` unless ``hyper.graft == "adam"``).
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     shape, size, compute = g.shape, g.size, d.dtype
-    num_blocks = pl.cdiv(size, BLOCK)
+    num_rows, num_cols = tile_view(shape)
+    grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
     scalars = jnp.stack([jnp.asarray(x, compute) for x in [*numbers, 0]])
-    inputs = [scalars, g.reshape(-1), m.reshape(-1), d.reshape(-1)]
-    outputs = [
-        jax.ShapeDtypeStruct((size,), compute),
-        jax.ShapeDtypeStruct((size,), m.dtype),
-        jax.ShapeDtypeStruct((size,), d.dtype),
-    ]
+    state = [m.reshape(-1), d.reshape(-1)] + ([e[0].reshape(-1)] if band else [])
+    outputs = [jax.ShapeDtypeStruct((size,), compute)]
+    outputs += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     if band:
-        inputs.append(e[0].reshape(-1))
-        outputs.append(jax.ShapeDtypeStruct((size,), e.dtype))
-    outputs.append(jax.ShapeDtypeStruct((num_blocks, 4), compute))
-    kernel = pl.pallas_call(
-        _kernel_with(shape=shape, band=band, graft=hyper.graft, block=BLOCK),
-        grid=(num_blocks,),
+        outputs += [jax.ShapeDtypeStruct((grid[0] * 2 * num_cols,), x.dtype) for x in state]
+    outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
+    static = dict(shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols)
+    params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
+    step = pl.pallas_call(
+        _bind(_step_kernel, "sonew_step", **static, interpret=interpret),
+        grid=grid,
         out_shape=outputs,
+        input_output_aliases={2 + k: 1 + k for k in range(len(state))},
         interpret=interpret,
-        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=NUM_WARPS),
+        compiler_params=params,
         name=f"sonew_band{band}_step",
     )
-    u, m_new, d_new, *rest = kernel(*inputs)
-    parts = rest.pop()
-    e_new = rest[0].reshape(e.shape) if band else e
+    u, *rest = step(scalars, g.reshape(-1), *state)
+    parts = rest.pop().reshape(-1, 4)
+    new_state = rest[: len(state)]
+    if band:
+        write_back = pl.pallas_call(
+            _bind(_write_back_kernel, "sonew_write_back", shape=shape, rows=rows, cols=cols),
+            grid=grid,
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
+            input_output_aliases={len(state) + k: k for k in range(len(state))},
+            interpret=interpret,
+            compiler_params=params,
+            name="sonew_write_back",
+        )
+        new_state = write_back(*rest[len(state) :], *new_state)
+    m_new, d_new = (x.reshape(shape) for x in new_state[:2])
+    e_new = new_state[2].reshape(e.shape) if band else e
     norms = None
     if hyper.graft == "adam":
         norms = (_combine(parts[:, 0], parts[:, 1]), _combine(parts[:, 2], parts[:, 3]))
-    return u.reshape(shape), m_new.reshape(shape), d_new.reshape(shape), e_new, norms
+    return u.reshape(shape), m_new, d_new, e_new, norms
 
 
-def _kernel_with(**static):
-    """``_kernel`` with its static arguments bound, under its own name (as Pallas reports it)."""
+def _bind(kernel, name: str, **static):
+    """``kernel`` with its static arguments bound, under ``name`` (as Pallas reports it)."""
 
-    def sonew_step(*refs):
-        _kernel(*refs, **static)
+    def bound(*refs):
+        kernel(*refs, **static)
 
-    return sonew_step
+    bound.__name__ = name
+    return bound
 
 
 def _combine(scales: jax.Array, sums: jax.Array) -> jax.Array:

@@ -1,0 +1,157 @@
+"""The SONew GPU kernel (``sonew_pax/optim/fused.py``) on its own, and what XLA makes around it.
+
+Two parts, to find where an update's time goes:
+
+* **one tensor** (``--shape``, default 4096 x 4096 float32): the achieved bandwidth of a plain copy,
+  of the whole jitted update (``optax.apply_updates(p, tx.update(g, s, p))``, params and state
+  donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel alone
+  (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles. ``gbps`` counts the bytes
+  each one must move (kernel alone: read g, m, d (, e), write u, m, d (, e)).
+* **HLO** of the update of the ~335M LM-shaped set (``lm_shapes.py``): how many kernels the
+  compiled program launches per optimizer (fusions, custom calls such as the Pallas kernel, and
+  copies), since each launch costs a few microseconds and a copy costs a pass over memory.
+
+Output: the tables, and ``--out`` (default ``benchmarks/results/kernel_speed.json``)
+``{"device", "date", "shape", "rows": [{"name", "ms", "gbps", "bytes"}], "hlo": [{"optimizer",
+"fusions", "custom_calls", "copies", "kernels"}]}``.
+
+Usage: ``python benchmarks/kernel_speed.py [--shape 4096,4096] [--iters 30]``.
+"""
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import lm_shapes
+import update_speed
+
+from sonew_pax.optim import fused, pointwise
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
+# (rows, cols, num_warps) of a program's tile
+SETTINGS = ((16, 64, 4), (32, 64, 8), (32, 128, 8), (64, 64, 8))
+UPDATES = ("adamw", "sonew_diag", "sonew_diag_xla", "sonew_tridiag", "sonew_tridiag_xla")
+
+
+def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:
+    """(median ms, bytes) of ``fused.leaf_update`` alone on one random tensor of ``shape``."""
+    key = jax.random.key(0)
+    g = 1e-3 * jax.random.normal(key, shape)
+    m, d = jnp.zeros(shape), jnp.full(shape, 1e-6)
+    e = jnp.zeros((1, *shape)) if band else optax.MaskedNode()
+    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
+    corrections = (jnp.float32(0.1), jnp.float32(0.05))
+
+    rows, cols, num_warps = setting
+    interpret = jax.default_backend() != "gpu"
+
+    def step(state):
+        m, d, e = state
+        _, m, d, e, _ = fused.leaf_update(
+            g,
+            m,
+            d,
+            e,
+            corrections,
+            hyper,
+            interpret=interpret,
+            rows=rows,
+            cols=cols,
+            num_warps=num_warps,
+        )
+        return m, d, e
+
+    step = jax.jit(step, donate_argnums=0)
+    median, _, _ = common.time_steps(step, (m, d, e), args.warmup, args.iters)
+    arrays = 4 if band else 3
+    return median, 2 * arrays * 4 * g.size
+
+
+def time_update(name: str, shape, args) -> tuple[float, int]:
+    """(median ms, floor bytes) of ``update_speed``'s donated update on one tensor."""
+    shapes = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
+    median, _, moved = update_speed.time_optimizer(
+        update_speed.make_optimizer(name), shapes, grads, args
+    )
+    return median, moved
+
+
+def hlo_counts(name: str, shapes) -> dict:
+    """Kernel launches in the compiled update of ``shapes`` for optimizer ``name``."""
+    tx = update_speed.make_optimizer(name)
+    state = jax.eval_shape(tx.init, shapes)
+    text = update_speed.make_update(tx).lower(shapes, state, shapes).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    counts = {
+        "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
+        "custom_calls": len(re.findall(r"custom-call\(", entry)),
+        "copies": len(re.findall(r"= \S+ copy\(", entry)),
+    }
+    counts["kernels"] = sum(counts.values())
+    return {"optimizer": name, **counts}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="4096,4096", help="the single tensor's shape")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
+    lm_shapes.add_args(p)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Runs both parts, prints the tables, writes and returns the JSON object."""
+    args = parse_args(argv)
+    shape = tuple(int(n) for n in args.shape.split(","))
+    size = 1
+    for n in shape:
+        size *= n
+    rows = []
+
+    def add(name, ms, moved):
+        rows.append({"name": name, "ms": ms, "gbps": moved / ms / 1e6, "bytes": moved})
+        print(f"{name}: {ms:.3f} ms, {moved / ms / 1e6:.0f} GB/s", flush=True)
+
+    copy_bytes = 8 * size
+    add("copy", update_speed.time_copy(copy_bytes, args)[0], copy_bytes)
+    for name in UPDATES:
+        add(f"update {name}", *time_update(name, shape, args))
+    for band in (0, 1):
+        for setting in SETTINGS:
+            label = "tile {}x{} warps {}".format(*setting)
+            add(f"kernel band{band} {label}", *time_kernel(band, setting, shape, args))
+    hlo = []
+    if not args.no_hlo:
+        shapes = lm_shapes.from_args(args)
+        hlo = [hlo_counts(name, shapes) for name in ("adamw", *UPDATES[1:])]
+    result = {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "shape": list(shape),
+        "rows": rows,
+        "hlo": hlo,
+    }
+    print(f"\n{result['device']}, one tensor {shape}\n")
+    print(common.format_table(rows, ("name", "ms", "gbps")))
+    if hlo:
+        print("\nLM set, kernels in the compiled update:\n")
+        print(
+            common.format_table(hlo, ("optimizer", "fusions", "custom_calls", "copies", "kernels"))
+        )
+    common.write_json(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
