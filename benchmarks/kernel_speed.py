@@ -37,7 +37,7 @@ from sonew_pax.optim import fused, pointwise
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
 # (rows, cols, num_warps) of a program's tile
 SETTINGS = ((16, 64, 4), (32, 64, 8), (32, 128, 8), (64, 64, 8))
-UPDATES = ("adamw", "sonew_diag", "sonew_diag_xla", "sonew_tridiag", "sonew_tridiag_xla")
+UPDATES = ("adamw", "sonew_diag", "sonew_diag_pallas", "sonew_tridiag", "sonew_tridiag_pallas")
 
 
 def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:

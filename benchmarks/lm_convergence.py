@@ -69,9 +69,9 @@ OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
 BASELINE = "adamw"
 CANDIDATE = "sonew_tridiag"
 DEFAULT_LRS = {
-    "adamw": "5e-4,1e-3,2e-3,4e-3",
-    "adafactor": "5e-4,1e-3,2e-3,4e-3",
-    "sonew_tridiag": "5e-4,1e-3,2e-3,4e-3",
+    "adamw": "1.25e-4,2.5e-4,5e-4,1e-3",
+    "adafactor": "1.25e-4,2.5e-4,5e-4,1e-3",
+    "sonew_tridiag": "1.25e-4,2.5e-4,5e-4,1e-3",
 }
 B1, B2 = 0.9, 0.95
 DEFAULT_SONEW_EPS = 1e-8

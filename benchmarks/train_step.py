@@ -18,7 +18,7 @@ Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "first_step_s", "tokens_per_s",
 "loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch).
-SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_xla``: the XLA path instead of the GPU kernel).
+SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels).
 
 Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
 """

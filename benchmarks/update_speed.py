@@ -15,9 +15,8 @@ Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
 "floor_ratio", "bytes_per_param", "ms_min"}]}``.
 
-SONew rows use ``sonew``'s default ``implementation="auto"``: on GPU the diag and tridiag steps run
-as the Pallas kernel (``sonew_pax/optim/fused.py``). Each ``*_xla`` row is the same optimizer on
-the XLA path, for comparison.
+SONew rows use ``sonew``'s default XLA implementation; each ``*_pallas`` row is the same optimizer
+with ``implementation="pallas"`` (the Pallas kernels of ``sonew_pax/optim/fused.py``).
 
 Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
 """
@@ -49,13 +48,13 @@ SONEW_VARIANTS = {
         "offdiag_dtype": jnp.bfloat16,
     },
 }
-# The variants the Pallas kernel serves, also on the XLA path ("<name>_xla").
-XLA_VARIANTS = {
-    f"{name}_xla": {**kwargs, "implementation": "xla"}
+# The variants the Pallas kernels serve, also with them ("<name>_pallas").
+PALLAS_VARIANTS = {
+    f"{name}_pallas": {**kwargs, "implementation": "pallas"}
     for name, kwargs in SONEW_VARIANTS.items()
     if kwargs["band"] <= 1
 }
-SONEW_VARIANTS.update(XLA_VARIANTS)
+SONEW_VARIANTS.update(PALLAS_VARIANTS)
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 COLUMNS = ("optimizer", "ms", "ms_min", "ratio_vs_adamw", "gbps", "bytes_per_param", "floor_ratio")
 LEARNING_RATE = 1e-4

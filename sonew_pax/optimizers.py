@@ -138,7 +138,7 @@ def sonew(
     precondition_1d: bool = False,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
-    implementation: str = "auto",
+    implementation: str = "xla",
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -148,7 +148,7 @@ def sonew(
     the state in each parameter's own layout. ``momentum_dtype`` / ``offdiag_dtype`` (e.g.
     ``jnp.bfloat16``; in gin ``%jnp.bfloat16`` is not available, so ``"bfloat16"``) store the first
     moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
-    kernel or the XLA path (``"auto"``, ``"xla"``, ``"pallas"``).
+    kernels (``"pallas"``, experimental) or the XLA path (``"xla"``, default).
     """
     return optim.sonew(
         learning_rate,

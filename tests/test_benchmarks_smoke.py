@@ -11,6 +11,7 @@ from pathlib import Path
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import kernel_speed
 import lm_shapes
 import sharded_update
 import train_step
@@ -53,6 +54,23 @@ def test_update_speed_schema(tmp_path):
     assert rows["adamw"]["ratio_vs_adamw"] == 1.0
     assert abs(rows["adamw"]["bytes_per_param"] - 28) < 0.01
     assert abs(rows["sonew_tridiag"]["bytes_per_param"] - 36) < 0.1
+
+
+def test_kernel_speed_schema(tmp_path, monkeypatch):
+    """One tile setting on a small tensor (Pallas' interpreter on CPU) and the HLO counts."""
+    monkeypatch.setattr(kernel_speed, "SETTINGS", ((8, 32, 4),))
+    out = tmp_path / "kernel_speed.json"
+    argv = ["--shape", "24,40", "--warmup", "1", "--iters", "1", *TINY, "--out", str(out)]
+    returned = kernel_speed.main(argv)
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(returned))
+    names = [row["name"] for row in written["rows"]]
+    assert names[0] == "copy" and "update sonew_tridiag_pallas" in names
+    assert "kernel band1 tile 8x32 warps 4" in names
+    assert all(_finite(row["ms"]) and row["bytes"] > 0 for row in written["rows"])
+    hlo = {row["optimizer"]: row for row in written["hlo"]}
+    assert set(hlo) == {"adamw", *kernel_speed.UPDATES[1:]}
+    assert hlo["sonew_tridiag"]["custom_calls"] == 0  # the XLA path launches no Pallas kernel
 
 
 def test_train_step_schema(tmp_path):

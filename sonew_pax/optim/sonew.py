@@ -112,18 +112,13 @@ def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
     return ndim >= 2 or precondition_1d
 
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+IMPLEMENTATIONS = ("xla", "pallas")
 
 
 def _use_kernel(implementation: str, layout: ChainLayout, band: int) -> bool:
-    """Whether this tensor's step runs as the Pallas kernel (``fused.py``).
-
-    ``"auto"``: on GPU, wherever the kernel applies (band 0 or 1, unsharded); ``"pallas"``: wherever
-    it applies, on any backend (the interpreter off GPU: slow, for tests); ``"xla"``: never.
-    """
-    if implementation == "xla" or not fused.supported(layout, band):
-        return False
-    return implementation == "pallas" or jax.default_backend() == "gpu"
+    """Whether this tensor's step runs as the Pallas kernels (``fused.py``): with ``"pallas"``,
+    wherever they apply (band 0 or 1, the tensor whole on the device), on any backend."""
+    return implementation == "pallas" and fused.supported(layout, band)
 
 
 def _banded_step(
@@ -197,7 +192,7 @@ def scale_by_sonew(
     param_specs: Any = None,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
-    implementation: str = "auto",
+    implementation: str = "xla",
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -223,10 +218,11 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
-      implementation: ``"auto"`` runs the diag and tridiag step of every unsharded tensor as one
-        Pallas kernel on GPU (``fused.py``: the update's memory traffic near its floor) and XLA
-        elsewhere; ``"xla"`` always XLA; ``"pallas"`` the kernel wherever it applies, also off
-        GPU (in Pallas' interpreter: slow, for tests). Results agree to float rounding.
+      implementation: ``"xla"`` (default) or ``"pallas"``: the diag and tridiag step of every
+        tensor that lives whole on its device as Pallas (Triton) kernels that update the state
+        in place (``fused.py``); off GPU they run in Pallas' interpreter (slow, for tests).
+        Results agree to float rounding. Experimental: on an H200 it is not yet faster than XLA
+        (``benchmarks/README.md``, "Optimizer speed") and compiles two kernels per tensor.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -325,7 +321,7 @@ def sonew(
     param_specs: Any = None,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
-    implementation: str = "auto",
+    implementation: str = "xla",
 ) -> optax.GradientTransformationExtraArgs:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
