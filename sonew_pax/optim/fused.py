@@ -38,9 +38,12 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout
 
-TILE_ROWS = 32  # rows x cols of the view per program: 8 elements per thread with 8 warps; the
-TILE_COLS = 64  # side buffer holds 2 / TILE_ROWS of the state
-NUM_WARPS = 8
+# rows x cols of the view per program, and warps per program: the fastest of the tiles
+# benchmarks/kernel_speed.py tried on an H200 for both bands (results/kernel_speed.json); 8
+# elements per thread. The side buffer holds 2 / TILE_ROWS of the state.
+TILE_ROWS = 16
+TILE_COLS = 64
+NUM_WARPS = 4
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
