@@ -130,12 +130,16 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
         wrap_before, has_before = chain_neighbour(c, shape, -1)
         wrap_after, has_after = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
 
+        # Only the first (last) row chunk holds row 0 (R - 1): elsewhere the wraps stay unread.
+        has_before &= in_cols & (i == 0)
+        has_after &= in_cols & ((i + 1) * rows >= num_rows)
+
         def before(ref):
-            wrapped = read(ref, wrap_before, in_cols & has_before)
+            wrapped = read(ref, wrap_before, has_before)
             return jnp.where(top, wrapped, read(ref, offset - num_cols, valid & ~top))
 
         def after(ref):
-            wrapped = read(ref, wrap_after, in_cols & has_after)
+            wrapped = read(ref, wrap_after, has_after)
             return jnp.where(bottom, wrapped, read(ref, offset + num_cols, valid & ~bottom))
 
         at = {
