@@ -1,5 +1,6 @@
-"""Small helpers shared by the benchmark scripts: device name, date, JSON output, text tables."""
+"""Small helpers shared by the benchmark scripts: flags, device name, date, JSON output, tables."""
 
+import argparse
 import datetime
 import json
 import os
@@ -9,6 +10,40 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
+
+
+def add_model_args(
+    parser: argparse.ArgumentParser,
+    *,
+    model: str | None = None,
+    dtype: str | None = None,
+    layers: bool = False,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> None:
+    """Adds the model and batch flags a script uses, with that script's defaults.
+
+    ``parser`` may also be an argument group. A flag is added only when its default is given;
+    ``--layers`` (no default: None keeps the config's depth) only when ``layers`` is True.
+    """
+    if model is not None:
+        parser.add_argument("--model", default=model, help="configs/models/<model>.gin, e.g. tiny")
+    if dtype is not None:
+        parser.add_argument(
+            "--dtype", default=dtype, choices=("float32", "bfloat16"), help="compute dtype"
+        )
+    if layers:
+        parser.add_argument("--layers", type=int, help="override the model's number of layers")
+    if batch_size is not None:
+        parser.add_argument("--batch_size", type=int, default=batch_size, help="global batch size")
+    if seq_len is not None:
+        parser.add_argument("--seq_len", type=int, default=seq_len, help="tokens per sequence")
+
+
+def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int) -> None:
+    """Adds ``--warmup`` and ``--iters`` (untimed, then timed steps) with a script's defaults."""
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed warm-up steps")
+    parser.add_argument("--iters", type=int, default=iters, help="timed steps (median reported)")
 
 
 def device_name() -> str:

@@ -102,8 +102,7 @@ def hlo_counts(name: str, shapes) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="4096,4096", help="the single tensor's shape")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--iters", type=int, default=30)
+    common.add_timing_args(p, warmup=3, iters=30)
     p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
     lm_shapes.add_args(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)

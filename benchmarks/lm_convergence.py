@@ -662,17 +662,10 @@ def _eps_list(text: str) -> list[float]:
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="small", help="configs/models/<model>.gin: small | tiny")
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=("float32", "bfloat16"),
-        help="compute dtype (parameters float32)",
+    common.add_model_args(
+        p, model="small", dtype="float32", layers=True, batch_size=32, seq_len=256
     )
-    p.add_argument("--layers", type=int, help="override the model's number of layers")
     p.add_argument("--steps", type=int, default=1500)
-    p.add_argument("--batch_size", type=int, default=32)
-    p.add_argument("--seq_len", type=int, default=256)
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--eval_batches", type=int, default=16, help="held-out batches per evaluation")
     p.add_argument("--warmup_steps", type=int, default=100)

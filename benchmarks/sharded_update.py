@@ -200,8 +200,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--variants", default=",".join(VARIANTS), help="model and/or data_model")
     p.add_argument("--check_steps", type=int, default=3, help="steps before the comparison")
     p.add_argument("--tol", type=float, default=1e-5, help="max_rel_diff counted as equal")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps")
-    p.add_argument("--iters", type=int, default=30, help="timed steps; the median is reported")
+    common.add_timing_args(p, warmup=3, iters=30)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     return p.parse_args(argv)
 

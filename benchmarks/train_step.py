@@ -219,16 +219,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="350m", help="a config in configs/models/ (e.g. tiny)")
-    p.add_argument(
-        "--dtype",
-        default="bfloat16",
-        choices=("bfloat16", "float32"),
-        help="compute dtype (parameters stay float32)",
+    common.add_model_args(
+        p, model="350m", dtype="bfloat16", layers=True, batch_size=8, seq_len=1024
     )
-    p.add_argument("--layers", type=int, help="override the config's number of layers")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--seq_len", type=int, default=1024)
     p.add_argument(
         "--optimizers",
         default=",".join(OPTIMIZERS),
@@ -236,8 +229,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps after the first")
-    p.add_argument("--iters", type=int, default=20, help="timed steps; the median is reported")
+    common.add_timing_args(p, warmup=3, iters=20)
     p.add_argument(
         "--unsharded_optimizer",
         action="store_true",

@@ -160,8 +160,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=",".join(OPTIMIZERS),
         help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
     )
-    p.add_argument("--warmup", type=int, default=5, help="untimed steps (compilation included)")
-    p.add_argument("--iters", type=int, default=50, help="timed steps; the median is reported")
+    common.add_timing_args(p, warmup=5, iters=50)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     return p.parse_args(argv)
 
