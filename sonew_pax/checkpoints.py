@@ -2,8 +2,16 @@
 
 Each checkpoint is an orbax directory ``MODEL_DIR/checkpoint_<step>/`` with two items: ``state``
 (the whole `TrainState`: step, parameters, full optimizer state) and ``data`` (the training data
-iterator's position, JSON). Orbax writes into a temporary directory and renames it when complete,
-so a run killed mid-save leaves no ``checkpoint_<step>`` behind.
+iterator's position, JSON). ``MODEL_DIR`` is a local path or a cloud URI (gs://, s3://, az://;
+see `sonew_pax.paths`).
+
+How a save becomes visible only when complete:
+- Local (and mounted) paths: orbax writes into ``checkpoint_<step>.orbax-checkpoint-tmp*`` and
+  renames it when complete (an atomic rename), so a run killed mid-save leaves no
+  ``checkpoint_<step>`` behind.
+- Object stores, where a rename is a copy then a delete (not atomic): orbax writes in place and
+  finishes with a ``commit_success.txt`` object; a ``checkpoint_<step>`` without it is unfinished
+  and not listed as a checkpoint. orbax picks this for gs://; for s3:// and az:// it is set here.
 
 Rules kept here:
 - Restores read each array straight into its target sharding, so a checkpoint written on one
@@ -11,13 +19,18 @@ Rules kept here:
 - A checkpoint that fails to restore is reported (a warning naming it), renamed to
   ``checkpoint_<step>.corrupt`` (kept for inspection, invisible to the manager), and the previous
   one is used. A save that never finished (orbax's temporary directory) is reported and renamed
-  ``checkpoint_<step>.partial``. Nothing is ever deleted except by the ``keep`` limit, and no
-  existing checkpoint is overwritten.
+  ``checkpoint_<step>.partial`` (on object stores: a ``checkpoint_<step>`` without its commit
+  file). Nothing is ever deleted except by the ``keep`` limit, and no existing checkpoint is
+  overwritten. On object stores these renames are copies then deletes: one cut short leaves part
+  of the objects under each name, and neither name counts as a checkpoint (the ``.corrupt`` /
+  ``.partial`` names are never listed; the original lacks its commit file or already failed to
+  restore, and is set aside again on the next start).
 - SIGTERM (preemption) sets a flag; the training loop saves at its current step and exits.
 """
 
 import contextlib
-import pathlib
+import json
+import os
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -25,22 +38,53 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 from jax.experimental import multihost_utils
 
+from sonew_pax import paths
 from sonew_pax.train_state import TrainState
 
 STEP_PREFIX = "checkpoint"
 CORRUPT_SUFFIX = ".corrupt"
 PARTIAL_SUFFIX = ".partial"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
+COMMIT_FILE = "commit_success.txt"
+STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 
 
-def checkpoint_dir(model_dir: str | pathlib.Path, step: int) -> pathlib.Path:
+def checkpoint_dir(model_dir: str | os.PathLike, step: int) -> epath.Path:
     """Where the checkpoint of ``step`` lives."""
-    return pathlib.Path(model_dir) / f"{STEP_PREFIX}_{step}"
+    return paths.as_path(model_dir) / f"{STEP_PREFIX}_{step}"
 
 
-def _free_name(path: pathlib.Path, suffix: str) -> pathlib.Path:
+def unfinished_saves(model_dir: str | os.PathLike) -> list[epath.Path]:
+    """Saves that never finished: orbax's temporary directories, and on object stores the
+    ``checkpoint_<step>`` directories without their commit file."""
+    model_dir = paths.as_path(model_dir)
+    found = list(model_dir.glob(f"{STEP_PREFIX}_*{ORBAX_TMP_MARKER}*"))
+    if paths.is_cloud(model_dir):
+        for path in model_dir.glob(f"{STEP_PREFIX}_*"):
+            step = path.name.removeprefix(f"{STEP_PREFIX}_")
+            if step.isdigit() and path.is_dir() and not (path / COMMIT_FILE).exists():
+                found.append(path)
+    return sorted(found, key=str)
+
+
+def was_committed(path: epath.Path) -> bool:
+    """Whether orbax finished writing the checkpoint ``path`` (its step metadata has a commit time).
+
+    Orbax records the commit time after all data is written and just before the rename (local) or
+    the commit file (object stores), so this holds for complete checkpoints of both kinds, e.g. one
+    written through a gcsfuse mount (renamed, no commit file) now read as gs://.
+    """
+    try:
+        metadata = json.loads((path / STEP_METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(metadata, dict) and metadata.get("commit_timestamp_nsecs") is not None
+
+
+def _free_name(path: epath.Path, suffix: str) -> epath.Path:
     """A free name ``<path><suffix>`` (or ``<suffix>-1``, ``-2``, ...) next to ``path``."""
     candidate = path.with_name(path.name + suffix)
     index = 0
@@ -61,14 +105,26 @@ class Checkpoints:
     """
 
     def __init__(
-        self, model_dir: str | pathlib.Path, keep: int | None = None, async_save: bool = True
+        self, model_dir: str | os.PathLike, keep: int | None = None, async_save: bool = True
     ):
-        self.model_dir = pathlib.Path(model_dir)
+        self.model_dir = paths.model_dir(model_dir)
+        # Object stores have no atomic rename: a commit file marks complete saves (orbax's own
+        # default for gs://; set explicitly so s3:// and az:// get it too). Local: orbax's default.
+        cloud_options = (
+            {
+                "atomicity_options": ocp.options.AtomicityOptions(
+                    mode=ocp.options.AtomicityMode.COMMIT_FILE
+                )
+            }
+            if paths.is_cloud(self.model_dir)
+            else {}
+        )
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep,
             step_prefix=STEP_PREFIX,
             create=True,
             enable_async_checkpointing=async_save,
+            **cloud_options,
         )
         self._manager = ocp.CheckpointManager(
             self.model_dir, options=options, item_names=("state", "data")
@@ -99,7 +155,13 @@ class Checkpoints:
         """
         if jax.process_index() != 0:
             return
-        for path in sorted(self.model_dir.glob(f"{STEP_PREFIX}_*{ORBAX_TMP_MARKER}*")):
+        for path in unfinished_saves(self.model_dir):
+            if ORBAX_TMP_MARKER not in path.name and was_committed(path):
+                # Complete, but saved with a rename (e.g. through gcsfuse): mark it committed
+                # (a new small object; nothing existing is changed) so orbax lists it.
+                (path / COMMIT_FILE).write_text(f"Checkpoint {path} committed before; marked.")
+                logging.warning("Checkpoint %s had no %s; marked complete.", path, COMMIT_FILE)
+                continue
             name = path.name.split(ORBAX_TMP_MARKER)[0]
             target = _free_name(path.with_name(name), PARTIAL_SUFFIX)
             path.rename(target)
@@ -119,6 +181,10 @@ class Checkpoints:
             is a configuration error, not corruption, and nothing is renamed.
         """
         self._set_aside_partial_saves()
+        if paths.is_cloud(self.model_dir):
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("sonew_pax.checkpoints.set_aside")
+            self._manager.reload()
         failed: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
             try:

@@ -4,27 +4,42 @@ Layout under MODEL_DIR: ``train/`` and ``eval/`` hold TensorBoard event files; `
 has one JSON object per training step (``step``, ``loss``, ``learning_rate``, ``grad_norm``; the
 steps that evaluated add ``eval_loss`` and ``eval_perplexity``). Only process 0 writes; other
 processes get a writer that does nothing.
+
+MODEL_DIR on an object store (gs://, s3://, az://; `sonew_pax.paths`): objects cannot be appended
+to, so the JSONL file and the event files are kept whole (the JSONL in memory, the events in a
+local staging directory written by tensorboardX) and each upload replaces the object with the
+complete file, through epath (the same backend and credentials as the checkpoints, for every
+scheme; tensorboardX's own writers cover only gs:// and s3://, the latter through boto3).
+Uploads happen on ``flush(force=True)`` (before every checkpoint, and at close) and otherwise at
+most every ``upload_every_s`` seconds. Readers see the previous or the new object, never a part.
 """
 
 import json
 import math
-import pathlib
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 
 from absl import logging
+from etils import epath
 from tensorboardX import SummaryWriter
 
+from sonew_pax import paths
+
 METRICS_FILE = "metrics.jsonl"
+EVENT_DIRS = ("train", "eval")
 
 
-def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
     """Keeps only the well-formed lines of ``path`` whose step is at most ``last_step``.
 
     A resumed run calls this with its restored step, so the lines a killed run wrote after its last
     checkpoint (and any half-written final line) are replaced by the resumed run's, and the file
     reads like one uninterrupted run.
     """
+    path = paths.as_path(path)
     if not path.exists():
         return
     kept = []
@@ -39,24 +54,59 @@ def truncate_jsonl(path: pathlib.Path, last_step: int) -> None:
 
 
 class MetricsWriter:
-    """TensorBoard and JSONL output of one run (a no-op unless ``enabled``, i.e. on process 0)."""
+    """TensorBoard and JSONL output of one run (a no-op unless ``enabled``, i.e. on process 0).
 
-    def __init__(self, model_dir: str | pathlib.Path, enabled: bool, resume_step: int = 0):
+    Args:
+      model_dir: the run directory, local or an object-store URI.
+      enabled: whether this process writes.
+      resume_step: lines of ``metrics.jsonl`` past this step are dropped (see `truncate_jsonl`).
+      upload_every_s: object stores only: the least time between two unforced uploads.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        enabled: bool,
+        resume_step: int = 0,
+        upload_every_s: float = 60.0,
+    ):
         self.enabled = enabled
         if not enabled:
             return
-        model_dir = pathlib.Path(model_dir)
-        truncate_jsonl(model_dir / METRICS_FILE, resume_step)
-        self._jsonl = open(model_dir / METRICS_FILE, "a")  # noqa: SIM115 (closed in close())
-        self._train = SummaryWriter(str(model_dir / "train"))
-        self._eval = SummaryWriter(str(model_dir / "eval"))
+        self.model_dir = paths.model_dir(model_dir)
+        self.cloud = paths.is_cloud(self.model_dir)
+        self._upload_every_s = upload_every_s
+        jsonl_path = self.model_dir / METRICS_FILE
+        truncate_jsonl(jsonl_path, resume_step)
+        if self.cloud:
+            self._lines = [jsonl_path.read_text()] if jsonl_path.exists() else []
+            self._staging = tempfile.mkdtemp(prefix="sonew_pax_events_")
+            self._last_upload = time.monotonic()
+            event_dirs = [os.path.join(self._staging, name) for name in EVENT_DIRS]
+        else:
+            self._jsonl = jsonl_path.open("a")
+            event_dirs = [os.fspath(self.model_dir / name) for name in EVENT_DIRS]
+        self._train, self._eval = (SummaryWriter(logdir) for logdir in event_dirs)
+
+    def _upload(self) -> None:
+        """Object stores: replaces metrics.jsonl and each event file with its whole contents."""
+        (self.model_dir / METRICS_FILE).write_text("".join(self._lines))
+        for name in EVENT_DIRS:
+            local = epath.Path(self._staging) / name
+            for event_file in sorted(local.glob("events*")):
+                (self.model_dir / name).mkdir(parents=True, exist_ok=True)
+                (self.model_dir / name / event_file.name).write_bytes(event_file.read_bytes())
+        self._last_upload = time.monotonic()
 
     def write(self, step: int, scalars: Mapping[str, float]) -> None:
         """One step's scalars: a JSONL line; ``eval_*`` to eval/, the rest to train/ events."""
         if not self.enabled:
             return
         record = {"step": step, **{k: float(v) for k, v in scalars.items()}}
-        self._jsonl.write(json.dumps(record) + "\n")
+        if self.cloud:
+            self._lines.append(json.dumps(record) + "\n")
+        else:
+            self._jsonl.write(json.dumps(record) + "\n")
         for name, value in record.items():
             if name == "step":
                 continue
@@ -65,19 +115,31 @@ class MetricsWriter:
             else:
                 self._train.add_scalar(name, value, step)
 
-    def flush(self) -> None:
-        """Pushes everything written so far to disk."""
-        if self.enabled:
+    def flush(self, force: bool = True) -> None:
+        """Pushes everything written so far to disk (object stores: uploads it, unless ``force``
+        is False and the last upload is less than ``upload_every_s`` old)."""
+        if not self.enabled:
+            return
+        self._train.flush()
+        self._eval.flush()
+        if not self.cloud:
             self._jsonl.flush()
-            self._train.flush()
-            self._eval.flush()
+        elif force or time.monotonic() - self._last_upload >= self._upload_every_s:
+            self._upload()
 
     def close(self) -> None:
         """Flushes and closes all files."""
-        if self.enabled:
+        if not self.enabled:
+            return
+        self._train.close()
+        self._eval.close()
+        if not self.cloud:
             self._jsonl.close()
-            self._train.close()
-            self._eval.close()
+            return
+        try:
+            self._upload()
+        finally:
+            shutil.rmtree(self._staging, ignore_errors=True)
 
 
 def format_duration(seconds: float) -> str:

@@ -12,7 +12,6 @@ every EVAL_PERIOD, save every CHECKPOINT_PERIOD, on SIGTERM and at the end.
 """
 
 import dataclasses
-import pathlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -22,9 +21,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from absl import logging
+from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sonew_pax import checkpoints, metrics, optimizers, partitioning, train_state
+from sonew_pax import checkpoints, metrics, optimizers, partitioning, paths, train_state
 from sonew_pax.models import Transformer, TransformerConfig
 from sonew_pax.train_state import TrainState
 
@@ -194,10 +194,10 @@ class RunResult:
     preempted: bool
 
 
-def _write_text(path: pathlib.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` from process 0 only."""
+def _write_text(path: epath.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` from process 0 only, atomically (`paths.write_text_atomic`)."""
     if jax.process_index() == 0:
-        path.write_text(text)
+        paths.write_text_atomic(path, text)
 
 
 def _due(step: int, period: int, last_step: int) -> bool:
@@ -251,7 +251,8 @@ def train(
     """Trains ``model_config``'s Transformer for ``train_steps`` steps, resuming from MODEL_DIR.
 
     Args:
-      model_dir: the run directory (checkpoints, metrics, config).
+      model_dir: the run directory (checkpoints, metrics, config): a local path or a gs://,
+        s3:// or az:// URI (its filesystem package is checked before anything else runs).
       train_steps: total number of optimizer steps.
       batch_size: global batch size in sequences (each process reads its share).
       seq_len: tokens per sequence.
@@ -272,9 +273,9 @@ def train(
     Returns:
       A `RunResult`.
     """
+    model_dir_path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
     stop = checkpoints.StopSignal()
     with stop.installed():
-        model_dir_path = pathlib.Path(model_dir)
         model_dir_path.mkdir(parents=True, exist_ok=True)
         data_args = {
             "seq_len": seq_len,
@@ -319,7 +320,7 @@ def train(
                 if progress.due(step):
                     loss = float(step_metrics["loss"])
                     progress.log(step, loss)
-                    writer.flush()
+                    writer.flush(force=False)
                 preempted = stop.received or ckpts.reached_preemption(step)
                 if preempted or _due(step, checkpoint_period, train_steps):
                     writer.write(*pending)  # the log on disk reaches at least the checkpoint
