@@ -200,9 +200,21 @@ def norms(xs: list[jax.Array], layout: ChainLayout) -> list[jax.Array]:
         inits += [jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)]
     pairs = lax.reduce(tuple(operands), tuple(inits), _nrm2_combine, tuple(range(xs[0].ndim)))
     scales, sums = jnp.stack(pairs[0::2]), jnp.stack(pairs[1::2])
-    if layout.mesh_axes:
-        top = lax.pmax(scales, layout.mesh_axes)
-        ratio = scales / jnp.where(top > 0, top, 1)
-        sums = lax.psum(sums * ratio * ratio, layout.mesh_axes)
-        scales = top
-    return list(scales * jnp.sqrt(sums))
+    if not layout.mesh_axes:
+        return list(scales * jnp.sqrt(sums))
+    axes = layout.mesh_axes
+    return list(
+        merge_norm_parts(scales, sums, lambda x: lax.pmax(x, axes), lambda x: lax.psum(x, axes))
+    )
+
+
+def merge_norm_parts(scales, sums, reduce_max, reduce_sum) -> jax.Array:
+    """``||x||`` from partial ``(scale, sum (x / scale)^2)`` pairs (shards, or kernel tiles).
+
+    Each partial sum is rescaled to the largest scale before they are added, so nothing overflows
+    or underflows. ``reduce_max`` / ``reduce_sum`` combine the parts (``pmax`` / ``psum`` across
+    shards, ``jnp.max`` / ``jnp.sum`` over an axis of tiles).
+    """
+    top = reduce_max(scales)
+    ratio = scales / jnp.where(top > 0, top, 1)
+    return top * jnp.sqrt(reduce_sum(sums * ratio * ratio))

@@ -28,6 +28,7 @@ devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int3
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import pointwise
-from sonew_pax.optim.chain import ChainLayout
+from sonew_pax.optim.chain import ChainLayout, merge_norm_parts
 
 # rows x cols of the view per program, and warps per program: the fastest of the tiles
 # benchmarks/kernel_speed.py tried on an H200 for both bands (results/kernel_speed.json); 8
@@ -255,8 +256,9 @@ def leaf_update(
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
     norms = None
-    if hyper.graft == "adam":
-        norms = (_combine(parts[:, 0], parts[:, 1]), _combine(parts[:, 2], parts[:, 3]))
+    if hyper.graft == "adam":  # columns: (scale, sum) of Adam's direction, then of u
+        over_tiles = (partial(jnp.max, axis=0), partial(jnp.sum, axis=0))
+        norms = tuple(merge_norm_parts(parts[:, 0::2], parts[:, 1::2], *over_tiles))
     return u.reshape(shape), m_new, d_new, e_new, norms
 
 
@@ -268,10 +270,3 @@ def _bind(kernel, name: str, **static):
 
     bound.__name__ = name
     return bound
-
-
-def _combine(scales: jax.Array, sums: jax.Array) -> jax.Array:
-    """``||x||`` from per-block ``(max |x|, sum (x / max)^2)`` pairs, safely rescaled."""
-    top = jnp.max(scales)
-    ratio = scales / jnp.where(top > 0, top, 1)
-    return top * jnp.sqrt(jnp.sum(sums * ratio * ratio))
