@@ -72,8 +72,14 @@ def _band_spec(spec: P) -> P:
     return P(None, *spec)
 
 
-def sharded_step(tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any) -> Callable:
-    """Wraps SONew's whole-tree step in ``jax.shard_map`` over ``mesh`` with ``param_specs``."""
+def sharded_step(
+    tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any, check_vma: bool = True
+) -> Callable:
+    """Wraps SONew's whole-tree step in ``jax.shard_map`` over ``mesh`` with ``param_specs``.
+
+    ``check_vma`` is shard_map's varying-axes type check; SONew turns it off only for its Pallas
+    kernels, whose outputs carry no such type.
+    """
 
     def step(updates, m, d, e, corrections):
         specs = jax.tree.map(lambda s: P() if s is None else s, param_specs, is_leaf=_is_spec)
@@ -104,9 +110,7 @@ def sharded_step(tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any)
             mesh=mesh,
             in_specs=(specs, specs, specs, e_specs, (P(), P())),
             out_specs=(specs, specs, specs, e_specs),
-            # The Pallas kernel (fused.py) declares plain output shapes, without the varying-axes
-            # type check_vma wants; replicated outputs are computed from replicated inputs alone.
-            check_vma=False,
+            check_vma=check_vma,
         )
         return local(updates, m, d, e, corrections)
 

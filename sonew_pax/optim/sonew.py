@@ -122,12 +122,11 @@ def _use_kernel(implementation: str, layout: ChainLayout, band: int) -> bool:
 
 
 def _banded_step(
-    raw: Raw, e: Any, corrections, hyper: Hyper, layout: ChainLayout
+    raw: Raw, e: Any, band: int, corrections, hyper: Hyper, layout: ChainLayout
 ) -> tuple[Step, tuple[jax.Array, jax.Array] | None]:
     """The XLA path: :mod:`pointwise` on chain shifts for bands 0 and 1, the generic banded solve
     (``solve.precondition``) for wider bands; the grafting norms in one reduction."""
     bc1, bc2 = corrections
-    band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
     elif band == 1:
@@ -169,7 +168,7 @@ def _leaf_update(
             g, m, d, e, corrections, hyper, interpret=jax.default_backend() != "gpu"
         )
     else:
-        step, grafting = _banded_step(raw, e, corrections, hyper, layout)
+        step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
         u, m_new, d_new = step.u, step.m.astype(m.dtype), step.d
         e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     if grafting is not None:
@@ -300,7 +299,9 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
 
     from sonew_pax.optim import sharding  # local import: sharding imports this module's state
 
-    return sharding.sharded_step(tree_step, mesh, param_specs)
+    # Pallas kernels (fused.py) declare plain output shapes, without the varying-axes type that
+    # shard_map's check wants; their replicated outputs come from replicated inputs alone.
+    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=implementation != "pallas")
 
 
 def sonew(
