@@ -32,16 +32,16 @@ METRICS_FILE = "metrics.jsonl"
 EVENT_DIRS = ("train", "eval")
 
 
-def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
+def truncate_jsonl(path: str | os.PathLike, last_step: int) -> str:
     """Keeps only the well-formed lines of ``path`` whose step is at most ``last_step``.
 
     A resumed run calls this with its restored step, so the lines a killed run wrote after its last
     checkpoint (and any half-written final line) are replaced by the resumed run's, and the file
-    reads like one uninterrupted run.
+    reads like one uninterrupted run. Returns the kept text ("" when there is no file).
     """
     path = paths.as_path(path)
     if not path.exists():
-        return
+        return ""
     kept = []
     for line in path.read_text().splitlines():
         try:
@@ -50,7 +50,9 @@ def truncate_jsonl(path: str | os.PathLike, last_step: int) -> None:
             continue
         if record.get("step", math.inf) <= last_step:
             kept.append(line)
-    path.write_text("".join(line + "\n" for line in kept))
+    text = "".join(line + "\n" for line in kept)
+    path.write_text(text)
+    return text
 
 
 class MetricsWriter:
@@ -77,9 +79,9 @@ class MetricsWriter:
         self.cloud = paths.is_cloud(self.model_dir)
         self._upload_every_s = upload_every_s
         jsonl_path = self.model_dir / METRICS_FILE
-        truncate_jsonl(jsonl_path, resume_step)
+        kept = truncate_jsonl(jsonl_path, resume_step)
         if self.cloud:
-            self._lines = [jsonl_path.read_text()] if jsonl_path.exists() else []
+            self._lines = [kept]
             self._staging = tempfile.mkdtemp(prefix="sonew_pax_events_")
             self._last_upload = time.monotonic()
             event_dirs = [os.path.join(self._staging, name) for name in EVENT_DIRS]
@@ -93,8 +95,10 @@ class MetricsWriter:
         (self.model_dir / METRICS_FILE).write_text("".join(self._lines))
         for name in EVENT_DIRS:
             local = epath.Path(self._staging) / name
-            for event_file in sorted(local.glob("events*")):
+            event_files = sorted(local.glob("events*"))
+            if event_files:
                 (self.model_dir / name).mkdir(parents=True, exist_ok=True)
+            for event_file in event_files:
                 (self.model_dir / name / event_file.name).write_bytes(event_file.read_bytes())
         self._last_upload = time.monotonic()
 
