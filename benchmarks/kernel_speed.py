@@ -19,6 +19,7 @@ Usage: ``python benchmarks/kernel_speed.py [--shape 4096,4096] [--iters 30]``.
 """
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -113,9 +114,7 @@ def main(argv=None) -> dict:
     """Runs both parts, prints the tables, writes and returns the JSON object."""
     args = parse_args(argv)
     shape = tuple(int(n) for n in args.shape.split(","))
-    size = 1
-    for n in shape:
-        size *= n
+    size = math.prod(shape)
     rows = []
 
     def add(name, ms, moved):
