@@ -36,9 +36,9 @@ import update_speed
 from sonew_pax.optim import fused, pointwise
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
-# (rows, cols, num_warps) of a program's tile
-SETTINGS = ((16, 64, 4), (32, 64, 8), (32, 128, 8), (64, 64, 8))
-UPDATES = ("adamw", "sonew_diag", "sonew_diag_pallas", "sonew_tridiag", "sonew_tridiag_pallas")
+# (rows, cols, num_warps) of a program's tile, as ``--tiles`` spells them
+TILES = "16x64x4,8x64x2,8x128x4,16x128x4,32x64x8,16x256x8"
+UPDATES = "adamw,sonew_diag,sonew_diag_pallas,sonew_tridiag,sonew_tridiag_pallas"
 
 
 def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:
@@ -85,11 +85,15 @@ def time_update(name: str, shape, args) -> tuple[float, int]:
     return median, moved
 
 
-def hlo_counts(name: str, shapes) -> dict:
-    """Kernel launches in the compiled update of ``shapes`` for optimizer ``name``."""
+def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:
+    """Kernel launches in the compiled update of ``shapes`` for optimizer ``name``; the compiled
+    HLO is written to ``hlo_dir/<name>.txt`` when given."""
     tx = update_speed.make_optimizer(name)
     state = jax.eval_shape(tx.init, shapes)
     text = update_speed.make_update(tx).lower(shapes, state, shapes).compile().as_text()
+    if hlo_dir is not None:
+        hlo_dir.mkdir(parents=True, exist_ok=True)
+        (hlo_dir / f"{name}.txt").write_text(text)
     entry = text[text.index("ENTRY") :]
     counts = {
         "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
@@ -104,7 +108,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="4096,4096", help="the single tensor's shape")
     common.add_timing_args(p, warmup=3, iters=30)
+    p.add_argument(
+        "--tiles", default=TILES, help="kernel tiles, rows x cols x warps, comma-separated"
+    )
+    p.add_argument("--updates", default=UPDATES, help="whole updates to time (update_speed names)")
     p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
+    p.add_argument("--hlo_dir", type=Path, help="also write each compiled LM-set update's HLO here")
     lm_shapes.add_args(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return p.parse_args(argv)
@@ -123,16 +132,18 @@ def main(argv=None) -> dict:
 
     copy_bytes = 8 * size
     add("copy", update_speed.time_copy(copy_bytes, args)[0], copy_bytes)
-    for name in UPDATES:
+    updates = args.updates.split(",")
+    for name in updates:
         add(f"update {name}", *time_update(name, shape, args))
+    tiles = [tuple(int(n) for n in tile.split("x")) for tile in args.tiles.split(",")]
     for band in (0, 1):
-        for setting in SETTINGS:
+        for setting in tiles:
             label = "tile {}x{} warps {}".format(*setting)
             add(f"kernel band{band} {label}", *time_kernel(band, setting, shape, args))
     hlo = []
     if not args.no_hlo:
         shapes = lm_shapes.from_args(args)
-        hlo = [hlo_counts(name, shapes) for name in ("adamw", *UPDATES[1:])]
+        hlo = [hlo_counts(name, shapes, args.hlo_dir) for name in updates]
     result = {
         "device": common.device_name(),
         "date": common.utc_date(),

@@ -56,11 +56,11 @@ def test_update_speed_schema(tmp_path):
     assert abs(rows["sonew_tridiag"]["bytes_per_param"] - 36) < 0.1
 
 
-def test_kernel_speed_schema(tmp_path, monkeypatch):
+def test_kernel_speed_schema(tmp_path):
     """One tile setting on a small tensor (Pallas' interpreter on CPU) and the HLO counts."""
-    monkeypatch.setattr(kernel_speed, "SETTINGS", ((8, 32, 4),))
-    out = tmp_path / "kernel_speed.json"
-    argv = ["--shape", "24,40", "--warmup", "1", "--iters", "1", *TINY, "--out", str(out)]
+    out, hlo_dir = tmp_path / "kernel_speed.json", tmp_path / "hlo"
+    argv = ["--shape", "24,40", "--warmup", "1", "--iters", "1", "--tiles", "8x32x4", *TINY]
+    argv += ["--out", str(out), "--hlo_dir", str(hlo_dir)]
     returned = kernel_speed.main(argv)
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(returned))
@@ -69,7 +69,8 @@ def test_kernel_speed_schema(tmp_path, monkeypatch):
     assert "kernel band1 tile 8x32 warps 4" in names
     assert all(_finite(row["ms"]) and row["bytes"] > 0 for row in written["rows"])
     hlo = {row["optimizer"]: row for row in written["hlo"]}
-    assert set(hlo) == {"adamw", *kernel_speed.UPDATES[1:]}
+    assert set(hlo) == set(kernel_speed.UPDATES.split(","))
+    assert "ENTRY" in (hlo_dir / "sonew_tridiag.txt").read_text()
     assert hlo["sonew_tridiag"]["custom_calls"] == 0  # the XLA path launches no Pallas kernel
 
 

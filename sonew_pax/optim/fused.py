@@ -156,26 +156,25 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
         outputs.append((e_out, "e"))
     plgpu.store(u_ref.at[offset], step.u.astype(u_ref.dtype), mask=valid)
     if band:
+        # The chunk's first and last rows go to its two side-buffer rows, the rest in place.
+        # Masked-off lanes get an address past the buffer, so none aliases a written one (the
+        # interpreter writes masked lanes back with their old values).
         first, last = _chunk_rows(i, rows, num_rows)
         edge = (r == first) | (r == last)
-        row_cols = j * cols + jnp.arange(cols, dtype=jnp.int32)
+        beyond = side_refs[0].shape[0]
+        side = (2 * i + jnp.where(r == first, 0, 1)) * num_cols + c
+        side = jnp.where(valid & edge, side, beyond)
         for (ref, name), side_ref in zip(outputs, side_refs, strict=True):
             x = getattr(step, name)
             plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid & ~edge)
-            for slot, row in enumerate((first, last)):
-                # The tile's row ``row`` as a vector (a sum over one nonzero term: exact).
-                values = jnp.sum(jnp.where(r == row, x, 0), axis=0)
-                at = (2 * i + slot) * num_cols + row_cols
-                plgpu.store(
-                    side_ref.at[at], values.astype(side_ref.dtype), mask=row_cols < num_cols
-                )
+            plgpu.store(side_ref.at[side], x.astype(side_ref.dtype), mask=valid & edge)
     else:
         for ref, name in outputs:
             plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
     for k, x in enumerate((step.adam, step.u)):
         magnitude = jnp.where(valid, jnp.abs(x), 0)
         top_value = jnp.max(magnitude)
-        scaled = magnitude / jnp.where(top_value > 0, top_value, 1)
+        scaled = magnitude * (1 / jnp.where(top_value > 0, top_value, 1))
         parts_ref[i, j, 2 * k] = top_value
         parts_ref[i, j, 2 * k + 1] = jnp.sum(scaled * scaled)
 

@@ -54,6 +54,13 @@ class Step(NamedTuple):
     e: jax.Array | None
 
 
+def _factors(corrections) -> tuple[Any, Any]:
+    """``(1 / (1 - b1^t), 1 / (1 - b2^t))`` from the bias corrections ``(1 - b1^t, 1 - b2^t)``: one
+    division per step (per kernel program), then products per element."""
+    bc1, bc2 = corrections
+    return 1 / bc1, 1 / bc2
+
+
 def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
     """The updated first and diagonal moments ``(m, d)`` before bias correction (``d``'s dtype)."""
     m = hyper.b1 * raw.m.astype(raw.d.dtype) + (1 - hyper.b1) * raw.g
@@ -63,15 +70,15 @@ def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
 
 def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: Hyper) -> jax.Array:
     """``m_hat / (sqrt(d_hat) + graft_eps)``: the direction SONew's is grafted onto."""
-    bc1, bc2 = corrections
-    return (m / bc1) / (jnp.sqrt(d / bc2) + hyper.graft_eps)
+    c1, c2 = _factors(corrections)
+    return (m * c1) / (jnp.sqrt(d * c2) + hyper.graft_eps)
 
 
 def diagonal_step(raw: Raw, corrections, hyper: Hyper) -> Step:
     """Band 0 (diag-SONew): ``u = m_hat / (d_hat + eps)``."""
-    bc1, bc2 = corrections
+    c1, c2 = _factors(corrections)
     m, d = moments(raw, hyper)
-    u = solve.diagonal_precondition(d / bc2 + hyper.eps, m / bc1)
+    u = solve.diagonal_precondition(d * c2 + hyper.eps, m * c1)
     return Step(adam_direction(m, d, corrections, hyper), u, m, d, None)
 
 
@@ -88,15 +95,15 @@ def tridiagonal_step(
     ``D`` arrays. ``e_at`` and ``e_before`` are the stored statistics of edges ``(j, j+1)`` and
     ``(j-1, j)`` (zero past the chain's ends, as every neighbour value is).
     """
-    bc1, bc2 = corrections
+    c1, c2 = _factors(corrections)
     moment = {k: moments(r, hyper) for k, r in at.items()}
-    scale = {k: solve.unit_scale(d / bc2 + hyper.eps) for k, (_, d) in moment.items()}
-    w = {k: scale[k] * (m / bc1) for k, (m, _) in moment.items()}
+    scale = {k: solve.unit_scale(d * c2 + hyper.eps) for k, (_, d) in moment.items()}
+    w = {k: scale[k] * (m * c1) for k, (m, _) in moment.items()}
     g = {k: r.g for k, r in at.items()}
     e_next = hyper.b2 * e_at + (1 - hyper.b2) * g[0] * g[1]  # edge (j, j+1)
     e_prev = hyper.b2 * e_before + (1 - hyper.b2) * g[-1] * g[0]  # edge (j-1, j)
-    lower, diag = solve.tridiagonal_inverse(e_next / bc2 * scale[0] * scale[1], hyper.gamma)
-    lower_p, diag_p = solve.tridiagonal_inverse(e_prev / bc2 * scale[-1] * scale[0], hyper.gamma)
+    lower, diag = solve.tridiagonal_inverse(e_next * c2 * scale[0] * scale[1], hyper.gamma)
+    lower_p, diag_p = solve.tridiagonal_inverse(e_prev * c2 * scale[-1] * scale[0], hyper.gamma)
     z = diag * (w[0] + lower[0] * w[1])
     z_prev = diag_p * (w[-1] + lower_p[0] * w[0])
     u = scale[0] * (z + lower_p[0] * z_prev)
