@@ -37,7 +37,7 @@ from sonew_pax.optim import fused, pointwise
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
 # (rows, cols, num_warps) of a program's tile, as ``--tiles`` spells them
-TILES = "16x64x4,8x64x2,8x128x4,16x128x4,32x64x8,16x256x8"
+TILES = "16x64x4,16x64x8,8x64x4,8x128x4,8x128x8,16x128x8,32x64x8"
 UPDATES = "adamw,sonew_diag,sonew_diag_pallas,sonew_tridiag,sonew_tridiag_pallas"
 
 
@@ -50,22 +50,12 @@ def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:
     hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
     corrections = (jnp.float32(0.1), jnp.float32(0.05))
 
-    rows, cols, num_warps = setting
     interpret = jax.default_backend() != "gpu"
 
     def step(state):
         m, d, e = state
         _, m, d, e, _ = fused.leaf_update(
-            g,
-            m,
-            d,
-            e,
-            corrections,
-            hyper,
-            interpret=interpret,
-            rows=rows,
-            cols=cols,
-            num_warps=num_warps,
+            g, m, d, e, corrections, hyper, interpret=interpret, tile=setting
         )
         return m, d, e
 
@@ -96,9 +86,8 @@ def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:
         (hlo_dir / f"{name}.txt").write_text(text)
     entry = text[text.index("ENTRY") :]
     counts = {
-        "fusions": len(re.findall(r"= \S+ fusion\(", entry)),
-        "custom_calls": len(re.findall(r"custom-call\(", entry)),
-        "copies": len(re.findall(r"= \S+ copy\(", entry)),
+        kind: len(re.findall(rf"^\s*%\S+ = .*? {op}\(", entry, re.MULTILINE))
+        for kind, op in (("fusions", "fusion"), ("custom_calls", "custom-call"), ("copies", "copy"))
     }
     counts["kernels"] = sum(counts.values())
     return {"optimizer": name, **counts}

@@ -17,9 +17,9 @@ from sonew_pax.optim import fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
-# 1-D to 4-D; several tiles of fused.TILE_ROWS x TILE_COLS (16 x 64) with ragged last ones (and a
-# last row chunk of one row), so row chunks meet at written-back edges; views with one row or one
-# column; size 1.
+# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 16 x 64 for band 1) with ragged
+# last ones (and a last row chunk of one row), so row chunks meet at written-back edges; views with
+# one row or one column; size 1.
 SHAPES = {
     "mat": (70, 130),
     "col": (7, 1),

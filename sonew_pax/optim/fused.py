@@ -39,12 +39,11 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout, merge_norm_parts
 
-# rows x cols of the view per program, and warps per program: the fastest of the tiles
-# benchmarks/kernel_speed.py tried on an H200 for both bands (results/kernel_speed.json); 8
-# elements per thread. The side buffer holds 2 / TILE_ROWS of the state.
-TILE_ROWS = 16
-TILE_COLS = 64
-NUM_WARPS = 4
+# (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
+# of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
+# (results/kernel_speed.json; 2026-11-26: band 0 at 2.8 TB/s, band 1 at 1.9 TB/s). Band 1's side
+# buffer holds 2 / rows of the state.
+TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
@@ -203,19 +202,19 @@ def leaf_update(
     hyper: pointwise.Hyper,
     *,
     interpret: bool = False,
-    rows: int = TILE_ROWS,
-    cols: int = TILE_COLS,
-    num_warps: int = NUM_WARPS,
+    tile: tuple[int, int, int] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, tuple[jax.Array, jax.Array] | None]:
     """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
 
-    ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``rows x cols``
-    (powers of 2) is the tile of the view (:func:`tile_view`) one program handles, with
-    ``num_warps`` warps; tuning knobs (``benchmarks/kernel_speed.py``). Returns
-    ``(u, m, d, e, norms)``: the ungrafted direction in ``d``'s dtype, the new state in the stored
-    dtypes, and ``(||adam||, ||u||)`` (``None`` unless ``hyper.graft == "adam"``).
+    ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``tile`` is
+    ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
+    (:func:`tile_view`) with ``num_warps`` warps; default ``TILES[band]``; a tuning knob
+    (``benchmarks/kernel_speed.py``). Returns ``(u, m, d, e, norms)``: the ungrafted direction in
+    ``d``'s dtype, the new state in the stored dtypes, and ``(||adam||, ||u||)`` (``None`` unless
+    ``hyper.graft == "adam"``).
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
+    rows, cols, num_warps = tile or TILES[band]
     shape, size, compute = g.shape, g.size, d.dtype
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
