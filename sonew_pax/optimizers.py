@@ -139,6 +139,7 @@ def sonew(
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "xla",
+    graft_lag: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -148,7 +149,9 @@ def sonew(
     the state in each parameter's own layout. ``momentum_dtype`` / ``offdiag_dtype`` (e.g.
     ``jnp.bfloat16``; in gin ``%jnp.bfloat16`` is not available, so ``"bfloat16"``) store the first
     moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
-    kernels (``"pallas"``, experimental) or the XLA path (``"xla"``, default).
+    kernels (``"pallas"``, experimental) or the XLA path (``"xla"``, default). ``graft_lag``
+    scales each step by the previous step's Adam-graft ratio (one pass over memory instead of two;
+    the first update is zero).
     """
     return optim.sonew(
         learning_rate,
@@ -165,6 +168,7 @@ def sonew(
         momentum_dtype=momentum_dtype,
         offdiag_dtype=offdiag_dtype,
         implementation=implementation,
+        graft_lag=graft_lag,
         mesh=mesh,
         param_specs=param_specs,
     )

@@ -3,8 +3,9 @@
 Each device updates only its block of every parameter, gradient and statistic. The neighbour
 products ``g_i g_{i+k}``, the banded solve and ``u = X m`` fetch thin halos from the neighbouring
 shards along each sharded axis (``ppermute``, see ``chain.shift``); the grafting norms are local
-sums followed by ``psum``. Nothing is gathered, so the compiled update holds collective-permutes
-and all-reduces only, and it equals the single-device update.
+sums followed by ``psum``, so the lagged graft ratios (``graft_lag``) are replicated. Nothing is
+gathered, so the compiled update holds collective-permutes and all-reduces only, and it equals the
+single-device update.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def sharded_step(
     kernels, whose outputs carry no such type.
     """
 
-    def step(updates, m, d, e, corrections):
+    def step(updates, m, d, e, ratio, corrections):
         specs = jax.tree.map(lambda s: P() if s is None else s, param_specs, is_leaf=_is_spec)
         try:
             paths_and_specs = jax.tree.map_with_path(
@@ -106,13 +107,13 @@ def sharded_step(
             is_leaf=_is_spec,
         )
         local = jax.shard_map(
-            lambda u, mi, di, ei, c: tree_step(u, mi, di, ei, c, layouts),
+            lambda u, mi, di, ei, ri, c: tree_step(u, mi, di, ei, ri, c, layouts),
             mesh=mesh,
-            in_specs=(specs, specs, specs, e_specs, (P(), P())),
-            out_specs=(specs, specs, specs, e_specs),
+            in_specs=(specs, specs, specs, e_specs, P(), (P(), P())),
+            out_specs=(specs, specs, specs, e_specs, P()),
             check_vma=check_vma,
         )
-        return local(updates, m, d, e, corrections)
+        return local(updates, m, d, e, ratio, corrections)
 
     return step
 
@@ -143,7 +144,7 @@ def state_partition_specs(opt_state: Any, param_specs: Any) -> Any:
     ``jax.eval_shape(tx.init, params)``), and may be the state of an ``optax.chain`` or any
     wrapper (``inject_hyperparams``, ``MultiSteps``, masks). Every sub-tree that mirrors the
     parameters gets the parameters' specs; SONew's stacked off-diagonals get an unsharded leading
-    band axis; scalars and anything else are replicated.
+    band axis; scalars (SONew's lagged graft ratios among them) and anything else are replicated.
     """
     return _state_specs(opt_state, param_specs)
 
@@ -160,6 +161,7 @@ def _state_specs(node: Any, param_specs: Any) -> Any:
                 node.e,
                 is_leaf=_is_spec,
             ),
+            ratio=jax.tree.map(lambda _: P(), node.ratio),
         )
     if _param_like(node, param_specs) and jax.tree.leaves(node):
         return jax.tree.map(_leaf_spec, param_specs, node, is_leaf=_is_spec)

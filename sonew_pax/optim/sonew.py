@@ -12,6 +12,11 @@ moving averages, bias correction and Adam grafting):
     a    = m_hat / (sqrt(d_hat) + graft_eps)      Adam direction
     u   <- u ||a|| / ||u||                        per-tensor grafting (``graft="adam"``)
 
+With ``graft_lag=True`` the last line uses the previous step's ratio instead,
+``u_t <- u_t r_{t-1}`` with ``r_t = ||a_t|| / ||u_t||`` stored in the state (``r_0 = 0``): the
+scale no longer waits for a reduction over the same step's directions, so the whole update can
+be one pass over memory with the norms as a side output.
+
 ``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see ``chain.py``).
 Every state array has its parameter's shape (the off-diagonals are stacked on a leading ``band``
 axis), so the state is sharded exactly like the parameters; with ``mesh`` and ``param_specs`` the
@@ -55,12 +60,16 @@ class ScaleBySONewState(NamedTuple):
       d: diagonal of ``H`` (second moment of the gradients).
       e: ``(band, *shape)``: ``e[k-1]`` at element ``i`` is the moment of ``g_i g_{i+k}``;
         ``optax.MaskedNode()`` for tensors that are not preconditioned (or ``band == 0``).
+      ratio: with ``graft_lag``, the graft ratio ``||adam|| / ||u||`` of the last step, a
+        ``stats_dtype`` scalar per preconditioned tensor (``0`` before the first step);
+        ``optax.MaskedNode()`` otherwise.
     """
 
     count: chex.Array
     m: optax.Updates
     d: optax.Updates
     e: optax.Updates
+    ratio: optax.Updates
 
 
 def _check_fraction(name: str, value: Any) -> None:
@@ -96,10 +105,12 @@ def _as_dtype(dtype: Any) -> np.dtype:
     return jnp.dtype(getattr(dtype, "dtype", dtype))
 
 
-def _validate(hyper: Hyper, mesh: Any, param_specs: Any) -> None:
+def _validate(hyper: Hyper, graft_lag: bool, mesh: Any, param_specs: Any) -> None:
     """Raises ``ValueError`` naming the offending argument."""
     if hyper.graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {hyper.graft!r}.")
+    if graft_lag and hyper.graft != "adam":
+        raise ValueError(f"graft_lag=True needs graft='adam', got graft={hyper.graft!r}.")
     _check_fraction("b1", hyper.b1)
     _check_fraction("b2", hyper.b2)
     for name in ("eps", "gamma", "graft_eps"):
@@ -146,22 +157,33 @@ def _banded_step(
     return step, grafting
 
 
+def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """``||adam|| / ||u||`` from the pair of norms; ``0`` where ``||u|| == 0``."""
+    num, den = grafting
+    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
+
+
 def _leaf_update(
     g: jax.Array,
     m: jax.Array,
     d: jax.Array,
     e: Any,
+    ratio: Any,
     corrections: tuple[jax.Array, jax.Array],
     hyper: Hyper,
     layout: ChainLayout,
     implementation: str,
-) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
-    """One tensor's SONew step (module docstring); returns ``(u, m, d, e)``."""
+) -> tuple[jax.Array, jax.Array, jax.Array, Any, Any]:
+    """One tensor's SONew step (module docstring); returns ``(u, m, d, e, ratio)``.
+
+    A scalar ``ratio`` (``graft_lag``) scales ``u`` and is replaced by this step's graft ratio;
+    a ``MaskedNode`` means this step's ratio scales ``u`` (or nothing does, ``graft="none"``).
+    """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
-        return adam.astype(g.dtype), m_new.astype(m.dtype), d_new, e
+        return adam.astype(g.dtype), m_new.astype(m.dtype), d_new, e, ratio
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
     if _use_kernel(implementation, layout, band):
         u, m_new, d_new, e_new, grafting = fused.leaf_update(
@@ -171,10 +193,12 @@ def _leaf_update(
         step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
         u, m_new, d_new = step.u, step.m.astype(m.dtype), step.d
         e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    if grafting is not None:
-        num, den = grafting
-        u = u * jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
-    return u.astype(g.dtype), m_new, d_new, e_new
+    if grafting is None:
+        return u.astype(g.dtype), m_new, d_new, e_new, ratio
+    if isinstance(ratio, optax.MaskedNode):
+        return (u * _graft_ratio(grafting)).astype(g.dtype), m_new, d_new, e_new, ratio
+    new_ratio = _graft_ratio(grafting).astype(ratio.dtype)
+    return (u * ratio).astype(g.dtype), m_new, d_new, e_new, new_ratio
 
 
 def scale_by_sonew(
@@ -192,6 +216,7 @@ def scale_by_sonew(
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "xla",
+    graft_lag: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -222,12 +247,18 @@ def scale_by_sonew(
         in place (``fused.py``); off GPU they run in Pallas' interpreter (slow, for tests).
         Results agree to float rounding. Experimental: on an H200 it is not yet faster than XLA
         (``benchmarks/README.md``, "Optimizer speed") and compiles two kernels per tensor.
+      graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
+        ratio ``||adam|| / ||u||`` of step ``t - 1`` (kept in the state, one scalar per tensor)
+        instead of step ``t``'s own, so the scale does not wait for the step's norms and the
+        update can run as one pass over memory. The ratio starts at 0, so the first update is
+        zero (one extra warm-up step: only the moments accumulate). Tensors that take Adam's
+        direction are unaffected.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
     """
     hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
-    _validate(hyper, mesh, param_specs)
+    _validate(hyper, graft_lag, mesh, param_specs)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
@@ -246,11 +277,17 @@ def scale_by_sonew(
                 return optax.MaskedNode()
             return jnp.zeros((static_band, *jnp.shape(p)), offdiag_dtype)
 
+        def lagged_ratio(p: jax.Array) -> Any:
+            if not graft_lag or not _preconditioned(jnp.ndim(p), precondition_1d):
+                return optax.MaskedNode()
+            return jnp.zeros([], stats_dtype)
+
         return ScaleBySONewState(
             count=jnp.zeros([], jnp.int32),
             m=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), momentum_dtype), params),
             d=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), stats_dtype), params),
             e=jax.tree.map(off_diagonals, params),
+            ratio=jax.tree.map(lagged_ratio, params),
         )
 
     def update_fn(
@@ -264,36 +301,37 @@ def scale_by_sonew(
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
         step = _make_step(hyper, mesh, param_specs, implementation)
-        u, m, d, e = step(updates, state.m, state.d, state.e, corrections)
-        return u, ScaleBySONewState(count, m, d, e)
+        u, m, d, e, ratio = step(updates, state.m, state.d, state.e, state.ratio, corrections)
+        return u, ScaleBySONewState(count, m, d, e, ratio)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -> Callable:
-    """The whole-tree step ``(updates, m, d, e, corrections) -> (u, m, d, e)``."""
+    """The whole-tree step ``(updates, m, d, e, ratio, corrections) -> (u, m, d, e, ratio)``."""
 
-    def tree_step(updates, m, d, e, corrections, layouts):
+    def tree_step(updates, m, d, e, ratio, corrections, layouts):
         flat = jax.tree.map(
-            lambda g, mi, di, ei, lay: _leaf_update(
-                g, mi, di, ei, corrections, hyper, lay, implementation
+            lambda g, mi, di, ei, ri, lay: _leaf_update(
+                g, mi, di, ei, ri, corrections, hyper, lay, implementation
             ),
             updates,
             m,
             d,
             e,
+            ratio,
             layouts,
             is_leaf=lambda x: isinstance(x, ChainLayout),
         )
         treedef = jax.tree.structure(updates)
         parts = treedef.flatten_up_to(flat)
-        return tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(4))
+        return tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(5))
 
     if mesh is None:
 
-        def step(updates, m, d, e, corrections):
+        def step(updates, m, d, e, ratio, corrections):
             layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
-            return tree_step(updates, m, d, e, corrections, layouts)
+            return tree_step(updates, m, d, e, ratio, corrections, layouts)
 
         return step
 
@@ -323,12 +361,14 @@ def sonew(
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "xla",
+    graft_lag: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
     ``u`` is :func:`scale_by_sonew`'s grafted direction; weight decay is decoupled (as in AdamW)
     and ``mask`` selects the parameters it applies to, like ``optax.adamw``'s mask. All other
     arguments are those of :func:`scale_by_sonew`; ``learning_rate`` is a float or a schedule.
+    With ``graft_lag`` the first ``u`` is zero, so the first update is the weight decay alone.
 
     Example::
 
@@ -354,6 +394,7 @@ def sonew(
             momentum_dtype=momentum_dtype,
             offdiag_dtype=offdiag_dtype,
             implementation=implementation,
+            graft_lag=graft_lag,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
