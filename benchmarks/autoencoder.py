@@ -32,6 +32,8 @@ Benchmark", tables (a) float32 and (b) bfloat16), mapped to optax / `sonew_pax.o
   it absolutely; our sonew only has the absolute form, so the paper's ε may mean a different
   damping here; `--sweep` scans ε over 8 decades for that reason. The paper gives no
   hyperparameters for band-10: band-4's are used. No weight decay anywhere (the paper has none).
+- sonew_tridiag_lag: sonew_tridiag with `graft_lag=True` (each step scaled by the previous step's
+  graft ratio; the first update is zero) and tridiag's hyperparameters: does the lag cost loss?
 
 bfloat16 variant (`--dtype bfloat16`): parameters, activations, gradients and the optax optimizers'
 states are bfloat16 (optax initialises states in the parameter dtype; every step stores them back in
@@ -81,13 +83,22 @@ OPTIMIZERS = (
     "adam",
     "sonew_diag",
     "sonew_tridiag",
+    "sonew_tridiag_lag",
     "sonew_band4",
     "sonew_band10",
 )
-SONEW_BANDS = {"sonew_diag": 0, "sonew_tridiag": 1, "sonew_band4": 4, "sonew_band10": 10}
+# SONew rows: their `sonew` keyword arguments besides the hyperparameters and the graft.
+SONEW_VARIANTS = {
+    "sonew_diag": {"band": 0},
+    "sonew_tridiag": {"band": 1},
+    "sonew_tridiag_lag": {"band": 1, "graft_lag": True},
+    "sonew_band4": {"band": 4},
+    "sonew_band10": {"band": 10},
+}
 WITHOUT_EPS = ("sgd", "nesterov", "momentum")
 
-# The paper's tuned (β1, β2, ε, lr); band-10 has none in the paper and reuses band-4's.
+# The paper's tuned (β1, β2, ε, lr); band-10 has none in the paper and reuses band-4's, the
+# lagged tridiag row uses tridiag's.
 _HP32 = {
     "sgd": (0.99, 0.91, 8.37e-9, 1.17e-2),
     "nesterov": (0.914, 0.90, 3.88e-10, 5.74e-3),
@@ -113,7 +124,11 @@ _HP16 = {
 PAPER_HPARAMS = {
     dtype: {
         name: dict(zip(("b1", "b2", "eps", "learning_rate"), v, strict=True))
-        for name, v in {**table, "sonew_band10": table["sonew_band4"]}.items()
+        for name, v in {
+            **table,
+            "sonew_tridiag_lag": table["sonew_tridiag"],
+            "sonew_band10": table["sonew_band4"],
+        }.items()
     }
     for dtype, table in (("float32", _HP32), ("bfloat16", _HP16))
 }
@@ -213,12 +228,12 @@ def make_optimizer(
     `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε.
     """
     b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
-    if name in SONEW_BANDS:
+    if name in SONEW_VARIANTS:
         from sonew_pax.optim import sonew  # lazy: the optimizer library is optional here
 
         graft_eps = eps if graft_eps == "eps" else float(graft_eps)
-        band = SONEW_BANDS[name]
-        return sonew(schedule, b1=b1, b2=b2, eps=eps, band=band, graft="adam", graft_eps=graft_eps)
+        variant = SONEW_VARIANTS[name]
+        return sonew(schedule, b1=b1, b2=b2, eps=eps, graft="adam", graft_eps=graft_eps, **variant)
     builders = {
         "sgd": lambda: optax.sgd(schedule),
         "momentum": lambda: optax.sgd(schedule, momentum=b1),

@@ -16,7 +16,8 @@ Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``
 "floor_ratio", "bytes_per_param", "ms_min"}]}``.
 
 SONew rows use ``sonew``'s default XLA implementation; each ``*_pallas`` row is the same optimizer
-with ``implementation="pallas"`` (the Pallas kernels of ``sonew_pax/optim/fused.py``).
+with ``implementation="pallas"`` (the Pallas kernels of ``sonew_pax/optim/fused.py``). ``*_lag``
+rows scale by the previous step's graft ratio (``graft_lag=True``): the update can be one pass.
 
 Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
 """
@@ -47,6 +48,8 @@ SONEW_VARIANTS = {
         "momentum_dtype": jnp.bfloat16,
         "offdiag_dtype": jnp.bfloat16,
     },
+    "sonew_diag_lag": {"band": 0, "graft_lag": True},
+    "sonew_tridiag_lag": {"band": 1, "graft_lag": True},
 }
 # The variants the Pallas kernels serve, also with them ("<name>_pallas").
 PALLAS_VARIANTS = {
