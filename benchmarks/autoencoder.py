@@ -221,11 +221,12 @@ def lr_schedule(peak, steps_per_epoch: int, epochs: int, warmup_epochs: float):
 
 
 def make_optimizer(
-    name: str, hp: dict, schedule, graft_eps: float | str = 1e-8
+    name: str, hp: dict, schedule, graft_eps: float | str = 1e-8, implementation: str = "xla"
 ) -> optax.GradientTransformation:
     """The transformation `name` with hyperparameters `hp` (b1, b2, eps; may be traced).
 
-    `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε.
+    `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε; `implementation`
+    SONew's (`"xla"` or `"pallas"`, the GPU kernels for bands 0 and 1).
     """
     b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
     if name in SONEW_VARIANTS:
@@ -233,7 +234,16 @@ def make_optimizer(
 
         graft_eps = eps if graft_eps == "eps" else float(graft_eps)
         variant = SONEW_VARIANTS[name]
-        return sonew(schedule, b1=b1, b2=b2, eps=eps, graft="adam", graft_eps=graft_eps, **variant)
+        return sonew(
+            schedule,
+            b1=b1,
+            b2=b2,
+            eps=eps,
+            graft="adam",
+            graft_eps=graft_eps,
+            implementation=implementation,
+            **variant,
+        )
     builders = {
         "sgd": lambda: optax.sgd(schedule),
         "momentum": lambda: optax.sgd(schedule, momentum=b1),
@@ -259,11 +269,14 @@ class Trainer:
         self.epochs, self.warmup_epochs = args.epochs, args.warmup_epochs
         self.dtype = jnp.dtype(args.dtype)
         self.graft_eps = args.sonew_graft_eps
+        self.implementation = args.implementation
 
     def _tx(self, hp: dict) -> optax.GradientTransformation:
         """This run's optimizer; its schedule peaks at the run's learning rate."""
         schedule = lr_schedule(hp["learning_rate"], self.steps, self.epochs, self.warmup_epochs)
-        return make_optimizer(self.name, {**self.betas, **hp}, schedule, self.graft_eps)
+        return make_optimizer(
+            self.name, {**self.betas, **hp}, schedule, self.graft_eps, self.implementation
+        )
 
     def _init(self, hp: dict):
         """Parameters from the run's seed and the optimizer state."""
@@ -468,6 +481,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sonew_graft_eps", default="1e-8", help="SONew's Adam-graft ε: a number, or 'eps' (= ε)"
+    )
+    p.add_argument(
+        "--implementation",
+        default="xla",
+        choices=("xla", "pallas"),
+        help="SONew's implementation (pallas: the GPU kernels for bands 0 and 1)",
     )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: by dtype/sweep)")
     p.add_argument(

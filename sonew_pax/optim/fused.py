@@ -13,8 +13,9 @@ update the donated state in place: it copies every state array once more. Here:
   **in place** -- except the first and last row of each row chunk, which other programs read as
   neighbours: those go to a small side buffer (``2 / rows`` of the state);
 * **the write-back kernel** copies the side buffer into the state (band 1 only);
-* **XLA** then computes ``u * ||adam|| / ||u||``, fused with weight decay, the learning rate and
-  ``optax.apply_updates``.
+* **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, one reduction for all
+  tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
+  learning rate and ``optax.apply_updates``.
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass, against 28 for a
 fused AdamW, with two kernel launches per tensor. The math is ``pointwise``'s, the same functions
@@ -28,7 +29,6 @@ devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int3
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any
 
 import jax
@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import pointwise
-from sonew_pax.optim.chain import ChainLayout, merge_norm_parts
+from sonew_pax.optim.chain import ChainLayout
 
 # (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
 # of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
@@ -203,15 +203,17 @@ def leaf_update(
     *,
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, Any, tuple[jax.Array, jax.Array] | None]:
+) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
 
     ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``tile`` is
     ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
     (:func:`tile_view`) with ``num_warps`` warps; default ``TILES[band]``; a tuning knob
-    (``benchmarks/kernel_speed.py``). Returns ``(u, m, d, e, norms)``: the ungrafted direction in
-    ``d``'s dtype, the new state in the stored dtypes, and ``(||adam||, ||u||)`` (``None`` unless
-    ``hyper.graft == "adam"``).
+    (``benchmarks/kernel_speed.py``). Returns ``(u, m, d, e, parts)``: the ungrafted direction in
+    ``d``'s dtype, the new state in the stored dtypes, and per tile the norm pairs ``(max |x|,
+    sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(tiles, 4)`` rows ``(scale_adam,
+    sum_adam, scale_u, sum_u)`` (``None`` unless ``hyper.graft == "adam"``); see
+    ``chain.merge_norm_parts``.
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     rows, cols, num_warps = tile or TILES[band]
@@ -238,7 +240,7 @@ def leaf_update(
         name=f"sonew_band{band}_step",
     )
     u, *rest = step(scalars, g.reshape(-1), *state)
-    parts = rest.pop().reshape(-1, 4)
+    parts = rest.pop()
     new_state = rest[: len(state)]
     if band:
         write_back = pl.pallas_call(
@@ -253,11 +255,8 @@ def leaf_update(
         new_state = write_back(*rest[len(state) :], *new_state)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
-    norms = None
-    if hyper.graft == "adam":  # columns: (scale, sum) of Adam's direction, then of u
-        over_tiles = (partial(jnp.max, axis=0), partial(jnp.sum, axis=0))
-        norms = tuple(merge_norm_parts(parts[:, 0::2], parts[:, 1::2], *over_tiles))
-    return u.reshape(shape), m_new, d_new, e_new, norms
+    parts = parts.reshape(-1, 4) if hyper.graft == "adam" else None
+    return u.reshape(shape), m_new, d_new, e_new, parts
 
 
 def _bind(kernel, name: str, **static):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import chex
@@ -36,7 +37,7 @@ import numpy as np
 import optax
 
 from sonew_pax.optim import fused, pointwise, solve
-from sonew_pax.optim.chain import ChainLayout, norms, shift, shift_many
+from sonew_pax.optim.chain import ChainLayout, merge_norm_parts, norms, shift, shift_many
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
 
 GRAFTS = ("adam", "none")
@@ -163,42 +164,72 @@ def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
 
 
-def _leaf_update(
+def _leaf_step(
     g: jax.Array,
     m: jax.Array,
     d: jax.Array,
     e: Any,
-    ratio: Any,
     corrections: tuple[jax.Array, jax.Array],
     hyper: Hyper,
     layout: ChainLayout,
     implementation: str,
-) -> tuple[jax.Array, jax.Array, jax.Array, Any, Any]:
-    """One tensor's SONew step (module docstring); returns ``(u, m, d, e, ratio)``.
+) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
+    """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, parts)``.
 
-    A scalar ``ratio`` (``graft_lag``) scales ``u`` and is replaced by this step's graft ratio;
-    a ``MaskedNode`` means this step's ratio scales ``u`` (or nothing does, ``graft="none"``).
+    ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned);
+    ``parts`` the grafting norms as ``(T, 4)`` partial pairs ``(scale, sum)`` of Adam's direction
+    and of ``u`` (a kernel's ``T`` tiles; one exact pair from the XLA path), or ``None`` when
+    nothing is grafted.
     """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
-        return adam.astype(g.dtype), m_new.astype(m.dtype), d_new, e, ratio
+        return adam, m_new.astype(m.dtype), d_new, e, None
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
     if _use_kernel(implementation, layout, band):
-        u, m_new, d_new, e_new, grafting = fused.leaf_update(
+        return fused.leaf_update(
             g, m, d, e, corrections, hyper, interpret=jax.default_backend() != "gpu"
         )
-    else:
-        step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
-        u, m_new, d_new = step.u, step.m.astype(m.dtype), step.d
-        e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    if grafting is None:
-        return u.astype(g.dtype), m_new, d_new, e_new, ratio
-    if isinstance(ratio, optax.MaskedNode):
-        return (u * _graft_ratio(grafting)).astype(g.dtype), m_new, d_new, e_new, ratio
-    new_ratio = _graft_ratio(grafting).astype(ratio.dtype)
-    return (u * ratio).astype(g.dtype), m_new, d_new, e_new, new_ratio
+    step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
+    e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
+    parts = None
+    if grafting is not None:
+        num, den = grafting
+        parts = jnp.stack([num, jnp.ones_like(num), den, jnp.ones_like(den)])[None]
+    return step.u, step.m.astype(m.dtype), step.d, e_new, parts
+
+
+def _graft_ratios(parts: list[jax.Array | None]) -> list[jax.Array | None]:
+    """Each tensor's ``||adam|| / ||u||`` from its norm parts (``_leaf_step``), or ``None``.
+
+    Tensors whose parts have one shape are merged together (``chain.merge_norm_parts`` over
+    their stacked parts), so a model's update launches a reduction per distinct shape instead of
+    several small ones per tensor.
+    """
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for k, p in enumerate(parts):
+        if p is not None:
+            groups.setdefault(p.shape, []).append(k)
+    ratios: list[jax.Array | None] = [None] * len(parts)
+    over_tiles = (partial(jnp.max, axis=1, keepdims=True), partial(jnp.sum, axis=1, keepdims=True))
+    for members in groups.values():
+        stacked = jnp.stack([parts[k] for k in members])  # (tensors, T, 4)
+        pair = merge_norm_parts(stacked[..., 0::2], stacked[..., 1::2], *over_tiles)[:, 0]
+        ratio = _graft_ratio((pair[:, 0], pair[:, 1]))
+        for i, k in enumerate(members):
+            ratios[k] = ratio[i]
+    return ratios
+
+
+def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
+    """``u`` scaled by this step's ``ratio``, or with ``graft_lag`` (``lagged`` a scalar) by the
+    previous step's, returning this step's as the new lagged ratio: ``(u, lagged)``."""
+    if ratio is None:
+        return u, lagged
+    if isinstance(lagged, optax.MaskedNode):
+        return u * ratio, lagged
+    return u * lagged, ratio.astype(lagged.dtype)
 
 
 def scale_by_sonew(
@@ -311,21 +342,19 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
     """The whole-tree step ``(updates, m, d, e, ratio, corrections) -> (u, m, d, e, ratio)``."""
 
     def tree_step(updates, m, d, e, ratio, corrections, layouts):
-        flat = jax.tree.map(
-            lambda g, mi, di, ei, ri, lay: _leaf_update(
-                g, mi, di, ei, ri, corrections, hyper, lay, implementation
-            ),
-            updates,
-            m,
-            d,
-            e,
-            ratio,
-            layouts,
-            is_leaf=lambda x: isinstance(x, ChainLayout),
-        )
         treedef = jax.tree.structure(updates)
-        parts = treedef.flatten_up_to(flat)
-        return tuple(jax.tree.unflatten(treedef, [p[i] for p in parts]) for i in range(5))
+        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
+        steps = [
+            _leaf_step(g, mi, di, ei, corrections, hyper, lay, implementation)
+            for g, mi, di, ei, _, lay in zip(*leaves, strict=True)
+        ]
+        ratios = _graft_ratios([step[4] for step in steps])
+        out: list[list[Any]] = [[] for _ in range(5)]
+        for g, step, fresh, lagged in zip(leaves[0], steps, ratios, leaves[4], strict=True):
+            u, lagged = _graft(step[0], fresh, lagged)
+            for k, x in enumerate((u.astype(g.dtype), *step[1:4], lagged)):
+                out[k].append(x)
+        return tuple(jax.tree.unflatten(treedef, x) for x in out)
 
     if mesh is None:
 
