@@ -174,12 +174,12 @@ def _leaf_step(
     layout: ChainLayout,
     implementation: str,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
-    """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, parts)``.
+    """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
 
-    ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned);
-    ``parts`` the grafting norms as ``(T, 4)`` partial pairs ``(scale, sum)`` of Adam's direction
-    and of ``u`` (a kernel's ``T`` tiles; one exact pair from the XLA path), or ``None`` when
-    nothing is grafted.
+    ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
+    ``graft`` is ``None`` when nothing is grafted; from the XLA path this step's ratio ``||adam||
+    / ||u||`` (a scalar); from the kernels their per-tile norm pairs ``(tiles, 4)``, which
+    :func:`_graft_ratios` merges for all tensors of a shape at once.
     """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
@@ -193,28 +193,26 @@ def _leaf_step(
         )
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    parts = None
-    if grafting is not None:
-        num, den = grafting
-        parts = jnp.stack([num, jnp.ones_like(num), den, jnp.ones_like(den)])[None]
-    return step.u, step.m.astype(m.dtype), step.d, e_new, parts
+    ratio = None if grafting is None else _graft_ratio(grafting)
+    return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
 
 
-def _graft_ratios(parts: list[jax.Array | None]) -> list[jax.Array | None]:
-    """Each tensor's ``||adam|| / ||u||`` from its norm parts (``_leaf_step``), or ``None``.
+def _graft_ratios(grafts: list[jax.Array | None]) -> list[jax.Array | None]:
+    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_step`'s ``graft``.
 
-    Tensors whose parts have one shape are merged together (``chain.merge_norm_parts`` over
-    their stacked parts), so a model's update launches a reduction per distinct shape instead of
-    several small ones per tensor.
+    The kernels' per-tile norm pairs are merged (``chain.merge_norm_parts``) for all tensors of
+    one shape together, over their stacked pairs: a model's update launches a few reductions
+    instead of several small ones per tensor. (The XLA path's ratios are already reduced: its
+    norm reduction fuses with the step.)
     """
     groups: dict[tuple[int, ...], list[int]] = {}
-    for k, p in enumerate(parts):
-        if p is not None:
-            groups.setdefault(p.shape, []).append(k)
-    ratios: list[jax.Array | None] = [None] * len(parts)
+    for k, graft in enumerate(grafts):
+        if graft is not None and graft.ndim == 2:
+            groups.setdefault(graft.shape, []).append(k)
+    ratios = list(grafts)
     over_tiles = (partial(jnp.max, axis=1, keepdims=True), partial(jnp.sum, axis=1, keepdims=True))
     for members in groups.values():
-        stacked = jnp.stack([parts[k] for k in members])  # (tensors, T, 4)
+        stacked = jnp.stack([grafts[k] for k in members])  # (tensors, tiles, 4)
         pair = merge_norm_parts(stacked[..., 0::2], stacked[..., 1::2], *over_tiles)[:, 0]
         ratio = _graft_ratio((pair[:, 0], pair[:, 1]))
         for i, k in enumerate(members):
