@@ -15,9 +15,9 @@ Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
 "floor_ratio", "bytes_per_param", "ms_min"}]}``.
 
-SONew rows use ``sonew``'s default XLA implementation; each ``*_pallas`` row is the same optimizer
-with ``implementation="pallas"`` (the Pallas kernels of ``sonew_pax/optim/fused.py``). ``*_lag``
-rows scale by the previous step's graft ratio (``graft_lag=True``): the update can be one pass.
+SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
+same optimizer with the Pallas kernels of ``sonew_pax/optim/fused.py`` (``sonew``'s default on GPU,
+``"auto"``). ``*_lag`` rows scale by the previous step's graft ratio (``graft_lag=True``).
 
 Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
 """
@@ -39,17 +39,19 @@ from sonew_pax import optim
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "update_speed.json"
 # SONew variants by name: their ``sonew`` keyword arguments (besides the learning rate and decay).
+_XLA = {"implementation": "xla"}
 SONEW_VARIANTS = {
-    "sonew_diag": {"band": 0},
-    "sonew_tridiag": {"band": 1},
-    "sonew_band4": {"band": 4},
+    "sonew_diag": {"band": 0, **_XLA},
+    "sonew_tridiag": {"band": 1, **_XLA},
+    "sonew_band4": {"band": 4, **_XLA},
     "sonew_tridiag_bf16": {
         "band": 1,
         "momentum_dtype": jnp.bfloat16,
         "offdiag_dtype": jnp.bfloat16,
+        **_XLA,
     },
-    "sonew_diag_lag": {"band": 0, "graft_lag": True},
-    "sonew_tridiag_lag": {"band": 1, "graft_lag": True},
+    "sonew_diag_lag": {"band": 0, "graft_lag": True, **_XLA},
+    "sonew_tridiag_lag": {"band": 1, "graft_lag": True, **_XLA},
 }
 # The variants the Pallas kernels serve, also with them ("<name>_pallas").
 PALLAS_VARIANTS = {

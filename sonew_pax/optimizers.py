@@ -138,7 +138,7 @@ def sonew(
     precondition_1d: bool = False,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
-    implementation: str = "xla",
+    implementation: str = "auto",
     graft_lag: bool = False,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
@@ -149,9 +149,9 @@ def sonew(
     the state in each parameter's own layout. ``momentum_dtype`` / ``offdiag_dtype`` (e.g.
     ``jnp.bfloat16``; in gin ``%jnp.bfloat16`` is not available, so ``"bfloat16"``) store the first
     moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
-    kernels (``"pallas"``, experimental) or the XLA path (``"xla"``, default). ``graft_lag``
-    scales each step by the previous step's Adam-graft ratio (one pass over memory instead of two;
-    the first update is zero).
+    kernels (``"auto"``, default: on GPU; ``"pallas"``: everywhere) or the XLA path (``"xla"``).
+    ``graft_lag`` scales each step by the previous step's Adam-graft ratio (the first update is
+    zero; no faster on an H200, see ``benchmarks/README.md``).
     """
     return optim.sonew(
         learning_rate,

@@ -6,6 +6,8 @@ compile it with Triton. Every comparison is against ``implementation="xla"``, it
 against the dense float64 reference in ``test_sonew_math.py``.
 """
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -161,3 +163,28 @@ def test_sharded_tensors_keep_the_xla_path(x64):
 def test_unknown_implementation_is_named():
     with pytest.raises(ValueError, match="implementation"):
         sonew(0.1, implementation="triton")
+
+
+def test_auto_takes_the_kernels_on_gpu_only(monkeypatch):
+    """``implementation="auto"`` (the default): the XLA path off GPU, the kernels on GPU."""
+    sonew_module = importlib.import_module("sonew_pax.optim.sonew")  # the package exports sonew()
+    layout = ChainLayout.unsharded((70, 130))
+    on_gpu = jax.default_backend() == "gpu"
+    assert sonew_module._use_kernel("auto", layout, 1) == on_gpu
+    assert sonew_module._use_kernel("pallas", layout, 1)
+    assert not sonew_module._use_kernel("xla", layout, 1)
+    assert not sonew_module._use_kernel("pallas", layout, 2)  # wider bands: XLA
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert sonew_module._use_kernel("auto", layout, 0)
+
+
+def test_auto_off_gpu_is_the_xla_path():
+    if jax.default_backend() == "gpu":
+        pytest.skip("on GPU, auto takes the kernels (test_kernel_equals_xla)")
+    shapes = {"mat": (9, 6), "vec": (5,)}
+    params = {k: jnp.zeros(s) for k, s in shapes.items()}
+    grads = _trajectory(shapes, ["normal", "normal"], dtype=jnp.float32)
+    expect = run(sonew(0.1, implementation="xla"), params, grads)
+    got = run(sonew(0.1), params, grads)
+    for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
+        np.testing.assert_array_equal(a, b)

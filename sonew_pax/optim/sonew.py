@@ -124,13 +124,21 @@ def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
     return ndim >= 2 or precondition_1d
 
 
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def _kernels_enabled(implementation: str) -> bool:
+    """Whether the Pallas kernels (``fused.py``) may run: ``"pallas"`` on any backend (off GPU in
+    Pallas' interpreter: slow, for tests), ``"auto"`` on GPU, ``"xla"`` never."""
+    return implementation == "pallas" or (
+        implementation == "auto" and jax.default_backend() == "gpu"
+    )
 
 
 def _use_kernel(implementation: str, layout: ChainLayout, band: int) -> bool:
-    """Whether this tensor's step runs as the Pallas kernels (``fused.py``): with ``"pallas"``,
-    wherever they apply (band 0 or 1, the tensor whole on the device), on any backend."""
-    return implementation == "pallas" and fused.supported(layout, band)
+    """Whether this tensor's step runs as the Pallas kernels: where they are enabled and apply
+    (band 0 or 1, the tensor whole on the device)."""
+    return _kernels_enabled(implementation) and fused.supported(layout, band)
 
 
 def _banded_step(
@@ -244,7 +252,7 @@ def scale_by_sonew(
     param_specs: Any = None,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
-    implementation: str = "xla",
+    implementation: str = "auto",
     graft_lag: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
@@ -271,11 +279,12 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
-      implementation: ``"xla"`` (default) or ``"pallas"``: the diag and tridiag step of every
-        tensor that lives whole on its device as Pallas (Triton) kernels that update the state
-        in place (``fused.py``); off GPU they run in Pallas' interpreter (slow, for tests).
-        Results agree to float rounding. Experimental: on an H200 it is not yet faster than XLA
-        (``benchmarks/README.md``, "Optimizer speed") and compiles two kernels per tensor.
+      implementation: ``"auto"`` (default): the diag and tridiag step of every tensor that lives
+        whole on its device as Pallas (Triton) kernels that update the state in place on GPU
+        (``fused.py``; on an H200 tridiag's update takes 1.9x AdamW's time against 2.6x for XLA,
+        ``benchmarks/README.md``), XLA elsewhere and for wider bands and sharded tensors;
+        ``"xla"``: never the kernels; ``"pallas"``: the kernels wherever they apply, also off GPU
+        (in Pallas' interpreter: slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
         ratio ``||adam|| / ||u||`` of step ``t - 1`` (kept in the state, one scalar per tensor)
         instead of step ``t``'s own, so the scale does not wait for the step's norms and the
@@ -366,7 +375,8 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
 
     # Pallas kernels (fused.py) declare plain output shapes, without the varying-axes type that
     # shard_map's check wants; their replicated outputs come from replicated inputs alone.
-    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=implementation != "pallas")
+    check_vma = not _kernels_enabled(implementation)
+    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=check_vma)
 
 
 def sonew(
@@ -387,7 +397,7 @@ def sonew(
     param_specs: Any = None,
     momentum_dtype: Any = None,
     offdiag_dtype: Any = None,
-    implementation: str = "xla",
+    implementation: str = "auto",
     graft_lag: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
