@@ -13,6 +13,7 @@ import jax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kernel_speed
 import lm_shapes
+import profile_update
 import sharded_update
 import train_step
 import update_speed
@@ -157,3 +158,43 @@ def test_sharded_update_schema_and_equality(tmp_path):
         assert row["equal"] and row["max_rel_diff"] <= 1e-5
         assert _finite(row["scaling_efficiency"]) and _finite(row["ms_sharded"])
         assert row["collectives"]["all-gather"] == 0 and row["collectives"]["all-to-all"] == 0
+
+
+def test_profile_update_reads_device_kernels():
+    """The trace parser keeps only device lanes' complete events and groups XLA's suffixes."""
+    trace = {
+        "traceEvents": [
+            {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "X", "pid": 1, "name": "PjitFunction(update)", "dur": 900.0},
+            {"ph": "X", "pid": 7, "name": "loop_add_fusion.3", "dur": 30.0},
+            {"ph": "X", "pid": 7, "name": "loop_add_fusion.12", "dur": 50.0},
+            {"ph": "X", "pid": 7, "name": "sonew_band1_step", "dur": 120.0},
+            {"ph": "i", "pid": 7, "name": "marker"},
+        ]
+    }
+    kernels = profile_update.device_kernels(trace)
+    assert sorted(kernels) == [
+        ("loop_add_fusion.12", 50.0),
+        ("loop_add_fusion.3", 30.0),
+        ("sonew_band1_step", 120.0),
+    ]
+    summary = profile_update.summarize(kernels, steps=2)
+    assert summary["kernels"] == 1.5 and abs(summary["busy_ms"] - 0.1) < 1e-12
+    assert [f["name"] for f in summary["families"]] == ["sonew_band1_step", "loop_add_fusion"]
+    assert abs(summary["families"][1]["ms"] - 0.04) < 1e-12
+
+
+def test_profile_update_schema(tmp_path):
+    out = tmp_path / "profile_update.json"
+    argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "1", *TINY]
+    returned = profile_update.main(
+        [*argv, "--trace_dir", str(tmp_path / "traces"), "--out", str(out)]
+    )
+    written = _read(out, returned)
+    rows = {row["optimizer"]: row for row in written["rows"]}
+    assert set(rows) == {"adamw", "sonew_tridiag"}
+    for row in rows.values():
+        assert _finite(row["wall_ms"]) and row["wall_ms"] > 0
+        assert row["idle_ms"] == row["wall_ms"] - row["busy_ms"]
+    assert list((tmp_path / "traces" / "adamw").glob("**/perfetto_trace.json.gz"))

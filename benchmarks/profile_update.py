@@ -1,0 +1,164 @@
+"""Where an optimizer update's device time goes: a profiler trace of the LM-set update, per kernel.
+
+``update_speed.py`` gives one number per optimizer; this script says which kernels make it up.
+For each ``--optimizers`` entry it runs ``update_speed``'s donated update of the LM-shaped set
+(``lm_shapes.py``) under ``jax.profiler.trace`` (Perfetto JSON), then reads the device's kernel
+events back and reports, per step:
+
+* ``wall_ms``: the host's time per step (as ``update_speed.py`` measures it);
+* ``busy_ms``: the sum of kernel durations on the device, and ``kernels``: how many ran;
+* ``idle_ms`` = ``wall_ms - busy_ms``: launch gaps and host overhead;
+* ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
+  -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band1_step``, ``sonew_write_back``
+  ...), largest first.
+
+Output: a table per optimizer, and ``--out`` (default ``benchmarks/results/profile_update.json``)
+``{"device", "date", "params", "config", "rows": [{"optimizer", "wall_ms", "busy_ms", "idle_ms",
+"kernels", "families": [{"name", "ms", "count"}]}]}``, all per step. The trace directories stay in
+``--trace_dir`` for Perfetto / TensorBoard. Off GPU the trace has no device lane, so ``busy_ms``
+and ``kernels`` are 0 (the CPU smoke test checks the plumbing only).
+
+Usage: ``python benchmarks/profile_update.py --optimizers adamw,sonew_tridiag_pallas``.
+"""
+
+import argparse
+import gzip
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import lm_shapes
+import update_speed
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
+COLUMNS = ("optimizer", "wall_ms", "busy_ms", "idle_ms", "kernels")
+FAMILY_COLUMNS = ("name", "ms", "count")
+
+
+def device_kernels(trace: dict) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of every complete event on a device lane of a Perfetto trace.
+
+    Device lanes are the processes named ``/device:...`` (``/device:GPU:0``); the host's are
+    ``/host:...``. Events without a duration (instants, counters, metadata) are skipped.
+    """
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    device_pids = {
+        e["pid"]
+        for e in events
+        if e.get("ph") == "M"
+        and e.get("name") == "process_name"
+        and str(e.get("args", {}).get("name", "")).startswith("/device:")
+    }
+    return [
+        (e["name"], float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e
+    ]
+
+
+def family(name: str) -> str:
+    """A kernel's name without XLA's numeric suffixes (``fusion.12`` -> ``fusion``)."""
+    return re.sub(r"(\.\d+)+$", "", name)
+
+
+def summarize(kernels: list[tuple[str, float]], steps: int) -> dict:
+    """Per-step kernel time, count and families (largest first) of ``steps`` traced steps."""
+    families: dict[str, list[float]] = {}
+    for name, us in kernels:
+        families.setdefault(family(name), []).append(us)
+    rows = [
+        {"name": k, "ms": sum(v) / 1e3 / steps, "count": len(v) / steps}
+        for k, v in families.items()
+    ]
+    rows.sort(key=lambda r: -r["ms"])
+    return {
+        "busy_ms": sum(us for _, us in kernels) / 1e3 / steps,
+        "kernels": len(kernels) / steps,
+        "families": rows,
+    }
+
+
+def read_trace(directory: Path) -> dict:
+    """The Perfetto trace ``jax.profiler.trace(..., create_perfetto_trace=True)`` wrote."""
+    paths = sorted(directory.glob("**/perfetto_trace.json.gz"))
+    if not paths:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
+    with gzip.open(paths[-1], "rt") as f:
+        return json.load(f)
+
+
+def profile_optimizer(name: str, shapes, grads, args, trace_dir: Path) -> dict:
+    """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name``."""
+    tx = update_speed.make_optimizer(name)
+    params = lm_shapes.random_tree(shapes, jax.random.key(1))
+    carry = (params, update_speed.init_state(tx, params))
+    update = update_speed.make_update(tx)
+    for _ in range(args.warmup):
+        carry = jax.block_until_ready(update(*carry, grads))
+    directory = trace_dir / name
+    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+        start = time.perf_counter()
+        for _ in range(args.iters):
+            carry = jax.block_until_ready(update(*carry, grads))
+        wall_ms = 1e3 * (time.perf_counter() - start) / args.iters
+    summary = summarize(device_kernels(read_trace(directory)), args.iters)
+    return {
+        "optimizer": name,
+        "wall_ms": wall_ms,
+        "idle_ms": wall_ms - summary["busy_ms"],
+        **summary,
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--optimizers",
+        default="adamw,sonew_tridiag,sonew_tridiag_pallas",
+        help=f"comma-separated subset of {','.join(update_speed.OPTIMIZERS)}",
+    )
+    common.add_timing_args(p, warmup=3, iters=5)
+    lm_shapes.add_args(p)
+    p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
+    p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Profiles every optimizer, prints the tables, writes and returns the JSON object."""
+    args = parse_args(argv)
+    names = [n for n in args.optimizers.split(",") if n]
+    unknown = set(names) - set(update_speed.OPTIMIZERS)
+    if unknown:
+        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose {update_speed.OPTIMIZERS}")
+    shapes = lm_shapes.from_args(args)
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
+    trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="profile_update_"))
+    result = {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "params": lm_shapes.count(shapes),
+        "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers")},
+        "rows": [],
+    }
+    for name in names:
+        row = profile_optimizer(name, shapes, grads, args, trace_dir)
+        result["rows"].append(row)
+        print(f"\n{name}: {row['wall_ms']:.3f} ms per step, {row['busy_ms']:.3f} ms in kernels")
+        print(common.format_table(row["families"][: args.top], FAMILY_COLUMNS))
+        common.write_json(args.out, result)
+    print(f"\n{result['device']}, per step ({args.iters} traced), traces in {trace_dir}\n")
+    print(common.format_table(result["rows"], COLUMNS))
+    return result
+
+
+if __name__ == "__main__":
+    main()
