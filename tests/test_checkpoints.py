@@ -1,18 +1,22 @@
 """Checkpoints on disk: round trip onto other meshes, never overwriting, keep limit, corrupt
-checkpoints falling back to the previous one (kept, renamed aside), and the metrics log."""
+checkpoints falling back to the previous one (kept, renamed aside), SONew states (those written
+before ``graft_lag`` existed among them), and the metrics log."""
 
 import json
 import logging
 import pathlib
 import shutil
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sonew_pax import checkpoints, metrics, partitioning
+from sonew_pax import checkpoints, metrics, partitioning, train_state
+from sonew_pax.optim import ScaleBySONewLagState, ScaleBySONewState, sonew
 from sonew_pax.train_state import TrainState
 
 SPECS = TrainState(
@@ -155,3 +159,59 @@ def test_unfinished_save_is_reported_and_kept_aside(tmp_path, mesh_2x4, caplog):
     assert ckpts.save(_state(10, mesh_2x4), {"step": 10})  # the step is redone normally
     ckpts.close()
     assert checkpoints.Checkpoints(tmp_path).steps() == [5, 10]
+
+
+class _SONewStateBeforeGraftLag(NamedTuple):
+    """SONew's state as checkpoints written before ``graft_lag`` (commit 8bbe8dc) hold it: orbax
+    stores a NamedTuple by its field names, so this stands in for the class of that time."""
+
+    count: jax.Array
+    m: Any
+    d: Any
+    e: Any
+
+
+SONEW_PARAMS = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8), "b": jnp.arange(3.0)}
+SONEW_SPECS = {"w": PartitionSpec("data", "model"), "b": PartitionSpec()}
+
+
+def _sonew_states(tx, mesh) -> tuple[TrainState, TrainState]:
+    """A state after two SONew steps, placed on ``mesh``, and the restore target for ``tx``."""
+    opt_state = tx.init(SONEW_PARAMS)
+    for scale in (1.0, -0.5):
+        grads = jax.tree.map(lambda p, s=scale: s * jnp.cos(p) + 0.1, SONEW_PARAMS)
+        _, opt_state = tx.update(grads, opt_state, SONEW_PARAMS)
+    layout = train_state.derive_layout(SONEW_PARAMS, tx, SONEW_SPECS, mesh)
+    state = TrainState(jnp.int32(2), SONEW_PARAMS, opt_state)
+    return jax.device_put(state, layout.shardings), layout.abstract_with_shardings()
+
+
+def test_sonew_state_from_before_graft_lag_restores(tmp_path, mesh_2x4):
+    """The default (not lagged) state keeps its four fields, so older checkpoints restore."""
+    state, target = _sonew_states(sonew(0.1, band=1), mesh_2x4)
+    sonew_state = state.opt_state[0]
+    assert type(sonew_state) is ScaleBySONewState
+    assert sonew_state._fields == ("count", "m", "d", "e")
+    old_opt_state = (_SONewStateBeforeGraftLag(*sonew_state), *state.opt_state[1:])
+    before = state._replace(opt_state=old_opt_state)
+    ckpts = checkpoints.Checkpoints(tmp_path, async_save=False)
+    ckpts.save(before, {"step": 2})
+    ckpts.close()
+    restored, data = checkpoints.Checkpoints(tmp_path).restore_latest(target)
+    assert data == {"step": 2}
+    assert type(restored.opt_state[0]) is ScaleBySONewState
+    _assert_same(restored, state)
+
+
+def test_sonew_lag_state_round_trips(tmp_path, mesh_2x4):
+    """``graft_lag``'s state, ratios included, restores into its own type."""
+    state, target = _sonew_states(sonew(0.1, band=1, graft_lag=True), mesh_2x4)
+    assert type(state.opt_state[0]) is ScaleBySONewLagState
+    ckpts = checkpoints.Checkpoints(tmp_path, async_save=False)
+    ckpts.save(state, {"step": 2})
+    ckpts.close()
+    restored, _ = checkpoints.Checkpoints(tmp_path).restore_latest(target)
+    ratio = restored.opt_state[0].ratio
+    assert type(restored.opt_state[0]) is ScaleBySONewLagState
+    assert float(ratio["w"]) > 0 and isinstance(ratio["b"], optax.MaskedNode)
+    _assert_same(restored, state)

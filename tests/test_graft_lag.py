@@ -13,7 +13,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sonew_pax import optimizers
-from sonew_pax.optim import scale_by_sonew, sonew, state_partition_specs
+from sonew_pax.optim import (
+    ScaleBySONewLagState,
+    ScaleBySONewState,
+    scale_by_sonew,
+    sonew,
+    state_partition_specs,
+)
 from tests.test_sonew_sharded import assert_sharded_matches, case, make_mesh, run
 
 HYPER = dict(b1=0.8, b2=0.9, eps=1e-3, gamma=1e-9, graft_eps=1e-8)
@@ -81,15 +87,24 @@ def test_lag_scales_by_previous_ratio(x64, band):
 
 
 def test_state_holds_a_ratio_only_with_lag():
+    """With the lag the state is a ScaleBySONewLagState; without, ScaleBySONewState keeps the
+    four fields it had before ``graft_lag`` existed (so older checkpoints restore), also after
+    updates."""
     params = {k: jnp.ones(s) for k, s in SHAPES.items()}
     state = scale_by_sonew(graft_lag=True).init(params)
+    assert type(state) is ScaleBySONewLagState
     assert state._fields == ("count", "m", "d", "e", "ratio")
     assert state.ratio["w"].shape == () and state.ratio["w"].dtype == jnp.float32
     assert float(state.ratio["w"]) == 0.0 and isinstance(state.ratio["b"], optax.MaskedNode)
     lag_1d = scale_by_sonew(graft_lag=True, precondition_1d=True).init(params)
     assert lag_1d.ratio["b"].shape == ()
-    assert jax.tree.leaves(scale_by_sonew().init(params).ratio) == []
+    plain = scale_by_sonew().init(params)
+    assert type(plain) is ScaleBySONewState and plain._fields == ("count", "m", "d", "e")
+    for tx in (scale_by_sonew(), scale_by_sonew(graft_lag=True)):
+        state = tx.init(params)
+        assert type(tx.update(params, state)[1]) is type(state)
     assert optimizers.sonew(0.1, graft_lag=True).init(params)[0].ratio["w"].shape == ()
+    assert type(optimizers.sonew(0.1).init(params)[0]) is ScaleBySONewState
 
 
 @pytest.mark.parametrize("band", [0, 1])
@@ -124,11 +139,13 @@ def test_sharded_equals_unsharded(x64):
     )
     state = assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
     _, expect = run(sonew(0.1, **kwargs), params, grads_seq)
+    assert type(state[0]) is ScaleBySONewLagState
     for k in params:
         np.testing.assert_allclose(float(state[0].ratio[k]), float(expect[0].ratio[k]), rtol=1e-10)
     abstract = jax.eval_shape(sonew(0.1, mesh=mesh, param_specs=specs, **kwargs).init, params)
-    ratio_specs = state_partition_specs(abstract, specs)[0].ratio
-    assert ratio_specs == {k: P() for k in params}
+    sonew_specs = state_partition_specs(abstract, specs)[0]
+    assert type(sonew_specs) is ScaleBySONewLagState
+    assert sonew_specs.ratio == {k: P() for k in params}
 
 
 def test_graft_none_is_rejected():

@@ -7,6 +7,7 @@ from sonew_pax.optim.sharding import state_partition_specs
 from sonew_pax.optim.sonew import (
     DEFAULT_EPS,
     DEFAULT_GAMMA,
+    ScaleBySONewLagState,
     ScaleBySONewState,
     scale_by_sonew,
     sonew,
@@ -15,6 +16,7 @@ from sonew_pax.optim.sonew import (
 __all__ = [
     "DEFAULT_EPS",
     "DEFAULT_GAMMA",
+    "ScaleBySONewLagState",
     "ScaleBySONewState",
     "scale_by_sonew",
     "sonew",

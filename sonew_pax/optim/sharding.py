@@ -19,7 +19,7 @@ import optax
 from jax.sharding import PartitionSpec as P
 
 from sonew_pax.optim.chain import ChainLayout
-from sonew_pax.optim.sonew import ScaleBySONewState
+from sonew_pax.optim.sonew import ScaleBySONewLagState, ScaleBySONewState
 
 
 def _is_spec(x: Any) -> bool:
@@ -149,20 +149,27 @@ def state_partition_specs(opt_state: Any, param_specs: Any) -> Any:
     return _state_specs(opt_state, param_specs)
 
 
+def _sonew_specs(node: ScaleBySONewState | ScaleBySONewLagState, param_specs: Any) -> Any:
+    """The specs of a SONew state's ``count``, ``m``, ``d`` and ``e``, as a ScaleBySONewState."""
+    return ScaleBySONewState(
+        count=P(),
+        m=_state_specs(node.m, param_specs),
+        d=_state_specs(node.d, param_specs),
+        e=jax.tree.map(
+            lambda s, x: _leaf_spec(s, x, extra_leading=1),
+            param_specs,
+            node.e,
+            is_leaf=_is_spec,
+        ),
+    )
+
+
 def _state_specs(node: Any, param_specs: Any) -> Any:
+    if isinstance(node, ScaleBySONewLagState):
+        ratio = jax.tree.map(lambda _: P(), node.ratio)
+        return ScaleBySONewLagState(*_sonew_specs(node, param_specs), ratio=ratio)
     if isinstance(node, ScaleBySONewState):
-        return ScaleBySONewState(
-            count=P(),
-            m=_state_specs(node.m, param_specs),
-            d=_state_specs(node.d, param_specs),
-            e=jax.tree.map(
-                lambda s, x: _leaf_spec(s, x, extra_leading=1),
-                param_specs,
-                node.e,
-                is_leaf=_is_spec,
-            ),
-            ratio=jax.tree.map(lambda _: P(), node.ratio),
-        )
+        return _sonew_specs(node, param_specs)
     if _param_like(node, param_specs) and jax.tree.leaves(node):
         return jax.tree.map(_leaf_spec, param_specs, node, is_leaf=_is_spec)
     if isinstance(node, optax.MaskedNode) or node is None:

@@ -61,9 +61,28 @@ class ScaleBySONewState(NamedTuple):
       d: diagonal of ``H`` (second moment of the gradients).
       e: ``(band, *shape)``: ``e[k-1]`` at element ``i`` is the moment of ``g_i g_{i+k}``;
         ``optax.MaskedNode()`` for tensors that are not preconditioned (or ``band == 0``).
-      ratio: with ``graft_lag``, the graft ratio ``||adam|| / ||u||`` of the last step, a
-        ``stats_dtype`` scalar per preconditioned tensor (``0`` before the first step);
-        ``optax.MaskedNode()`` otherwise.
+    """
+
+    count: chex.Array
+    m: optax.Updates
+    d: optax.Updates
+    e: optax.Updates
+
+
+class ScaleBySONewLagState(NamedTuple):
+    """State of :func:`scale_by_sonew` with ``graft_lag=True``.
+
+    A type of its own, so that :class:`ScaleBySONewState` (and checkpoints of it) keep their
+    structure when the option is off.
+
+    Attributes:
+      count: as in :class:`ScaleBySONewState`.
+      m: as in :class:`ScaleBySONewState`.
+      d: as in :class:`ScaleBySONewState`.
+      e: as in :class:`ScaleBySONewState`.
+      ratio: the graft ratio ``||adam|| / ||u||`` of the last step, a ``stats_dtype`` scalar per
+        preconditioned tensor (``0`` before the first step); ``optax.MaskedNode()`` for tensors
+        that take Adam's direction.
     """
 
     count: chex.Array
@@ -286,11 +305,11 @@ def scale_by_sonew(
         ``"xla"``: never the kernels; ``"pallas"``: the kernels wherever they apply, also off GPU
         (in Pallas' interpreter: slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
-        ratio ``||adam|| / ||u||`` of step ``t - 1`` (kept in the state, one scalar per tensor)
-        instead of step ``t``'s own, so the scale does not wait for the step's norms and the
-        update can run as one pass over memory. The ratio starts at 0, so the first update is
-        zero (one extra warm-up step: only the moments accumulate). Tensors that take Adam's
-        direction are unaffected.
+        ratio ``||adam|| / ||u||`` of step ``t - 1`` (one scalar per tensor, kept in the state,
+        which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
+        does not wait for the step's norms and the update can run as one pass over memory. The
+        ratio starts at 0, so the first update is zero (one extra warm-up step: only the moments
+        accumulate). Tensors that take Adam's direction are unaffected.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
@@ -306,7 +325,7 @@ def scale_by_sonew(
     momentum_dtype = stats_dtype if momentum_dtype is None else _as_dtype(momentum_dtype)
     offdiag_dtype = stats_dtype if offdiag_dtype is None else _as_dtype(offdiag_dtype)
 
-    def init_fn(params: optax.Params) -> ScaleBySONewState:
+    def init_fn(params: optax.Params) -> ScaleBySONewState | ScaleBySONewLagState:
         if static_band is None:
             raise ValueError("band must be a concrete int when the state is initialised.")
 
@@ -316,31 +335,37 @@ def scale_by_sonew(
             return jnp.zeros((static_band, *jnp.shape(p)), offdiag_dtype)
 
         def lagged_ratio(p: jax.Array) -> Any:
-            if not graft_lag or not _preconditioned(jnp.ndim(p), precondition_1d):
+            if not _preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
             return jnp.zeros([], stats_dtype)
 
-        return ScaleBySONewState(
+        state = ScaleBySONewState(
             count=jnp.zeros([], jnp.int32),
             m=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), momentum_dtype), params),
             d=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), stats_dtype), params),
             e=jax.tree.map(off_diagonals, params),
-            ratio=jax.tree.map(lagged_ratio, params),
         )
+        if not graft_lag:
+            return state
+        return ScaleBySONewLagState(*state, ratio=jax.tree.map(lagged_ratio, params))
 
     def update_fn(
         updates: optax.Updates,
-        state: ScaleBySONewState,
+        state: ScaleBySONewState | ScaleBySONewLagState,
         params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, ScaleBySONewState]:
+    ) -> tuple[optax.Updates, ScaleBySONewState | ScaleBySONewLagState]:
         del params, extra_args
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
         step = _make_step(hyper, mesh, param_specs, implementation)
-        u, m, d, e, ratio = step(updates, state.m, state.d, state.e, state.ratio, corrections)
-        return u, ScaleBySONewState(count, m, d, e, ratio)
+        # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio.
+        ratio = state.ratio if graft_lag else jax.tree.map(lambda _: optax.MaskedNode(), updates)
+        u, m, d, e, ratio = step(updates, state.m, state.d, state.e, ratio, corrections)
+        if not graft_lag:
+            return u, ScaleBySONewState(count, m, d, e)
+        return u, ScaleBySONewLagState(count, m, d, e, ratio)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
