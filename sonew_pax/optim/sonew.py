@@ -14,8 +14,9 @@ moving averages, bias correction and Adam grafting):
 
 With ``graft_lag=True`` the last line uses the previous step's ratio instead,
 ``u_t <- u_t r_{t-1}`` with ``r_t = ||a_t|| / ||u_t||`` stored in the state (``r_0 = 0``): the
-scale no longer waits for a reduction over the same step's directions, so the whole update can
-be one pass over memory with the norms as a side output.
+scale no longer waits for a reduction over the same step's directions. (Meant to let the update
+run as one pass over memory; on an H200 XLA does not make it one, and the lagged update is
+slower: ``benchmarks/README.md``, "Optimizer speed".)
 
 ``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see ``chain.py``).
 Every state array has its parameter's shape (the off-diagonals are stacked on a leading ``band``
@@ -307,9 +308,10 @@ def scale_by_sonew(
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
         ratio ``||adam|| / ||u||`` of step ``t - 1`` (one scalar per tensor, kept in the state,
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
-        does not wait for the step's norms and the update can run as one pass over memory. The
-        ratio starts at 0, so the first update is zero (one extra warm-up step: only the moments
-        accumulate). Tensors that take Adam's direction are unaffected.
+        does not wait for the step's norms. The ratio starts at 0, so the first update is zero
+        (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
+        are unaffected. No loss on the autoencoder benchmark, but no faster either (module
+        docstring).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
