@@ -165,17 +165,20 @@ def test_unknown_implementation_is_named():
         sonew(0.1, implementation="triton")
 
 
-def test_auto_takes_the_kernels_on_gpu_only(monkeypatch):
-    """``implementation="auto"`` (the default): the XLA path off GPU, the kernels on GPU."""
-    sonew_module = importlib.import_module("sonew_pax.optim.sonew")  # the package exports sonew()
-    layout = ChainLayout.unsharded((70, 130))
-    on_gpu = jax.default_backend() == "gpu"
-    assert sonew_module._use_kernel("auto", layout, 1) == on_gpu
-    assert sonew_module._use_kernel("pallas", layout, 1)
-    assert not sonew_module._use_kernel("xla", layout, 1)
-    assert not sonew_module._use_kernel("pallas", layout, 2)  # wider bands: XLA
+def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypatch):
+    """``implementation="auto"`` (the default): XLA off GPU; on GPU the kernels under a mesh
+    (``shard_map`` knows which tensors are whole) or on one device, XLA without a mesh on several
+    devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel)."""
+    # (by module path: the package exports the function sonew(), not the module)
+    enabled = importlib.import_module("sonew_pax.optim.sonew")._kernels_enabled
+    mesh = make_mesh((2, 4))
+    assert not enabled("xla", mesh) and enabled("pallas", None)
+    assert enabled("auto", mesh) == (jax.default_backend() == "gpu")
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert sonew_module._use_kernel("auto", layout, 0)
+    assert enabled("auto", mesh)
+    assert not enabled("auto", None)  # conftest's 8 CPU devices, no mesh
+    monkeypatch.setattr(jax, "device_count", lambda: 1)
+    assert enabled("auto", None)
 
 
 def test_auto_off_gpu_is_the_xla_path():

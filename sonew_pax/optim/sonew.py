@@ -147,18 +147,18 @@ def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
-def _kernels_enabled(implementation: str) -> bool:
-    """Whether the Pallas kernels (``fused.py``) may run: ``"pallas"`` on any backend (off GPU in
-    Pallas' interpreter: slow, for tests), ``"auto"`` on GPU, ``"xla"`` never."""
-    return implementation == "pallas" or (
-        implementation == "auto" and jax.default_backend() == "gpu"
-    )
+def _kernels_enabled(implementation: str, mesh: Any) -> bool:
+    """Whether the Pallas kernels (``fused.py``) may run.
 
-
-def _use_kernel(implementation: str, layout: ChainLayout, band: int) -> bool:
-    """Whether this tensor's step runs as the Pallas kernels: where they are enabled and apply
-    (band 0 or 1, the tensor whole on the device)."""
-    return _kernels_enabled(implementation) and fused.supported(layout, band)
+    ``"pallas"``: on any backend (off GPU in Pallas' interpreter: slow, for tests). ``"auto"``: on
+    GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the device) or on a
+    one-device process; without a mesh on several devices the arrays may be sharded by the
+    caller's ``jit``, which cannot partition a kernel (it would gather every tensor), so XLA runs.
+    ``"xla"``: never.
+    """
+    if implementation != "auto":
+        return implementation == "pallas"
+    return jax.default_backend() == "gpu" and (mesh is not None or jax.device_count() == 1)
 
 
 def _banded_step(
@@ -200,9 +200,12 @@ def _leaf_step(
     corrections: tuple[jax.Array, jax.Array],
     hyper: Hyper,
     layout: ChainLayout,
-    implementation: str,
+    kernels: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
+
+    With ``kernels`` (:func:`_kernels_enabled`) bands 0 and 1 of a tensor whole on its device run
+    as the Pallas kernels, everything else on XLA.
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
     ``graft`` is ``None`` when nothing is grafted; from the XLA path this step's ratio ``||adam||
@@ -215,7 +218,7 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
-    if _use_kernel(implementation, layout, band):
+    if kernels and fused.supported(layout, band):
         return fused.leaf_update(
             g, m, d, e, corrections, hyper, interpret=jax.default_backend() != "gpu"
         )
@@ -299,10 +302,12 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
-      implementation: ``"auto"`` (default): the diag and tridiag step of every tensor that lives
-        whole on its device as Pallas (Triton) kernels that update the state in place on GPU
-        (``fused.py``; on an H200 tridiag's update takes 1.9x AdamW's time against 2.6x for XLA,
-        ``benchmarks/README.md``), XLA elsewhere and for wider bands and sharded tensors;
+      implementation: ``"auto"`` (default): on GPU, the diag and tridiag step of every tensor
+        that lives whole on its device as Pallas (Triton) kernels that update the state in place
+        (``fused.py``; on an H200 tridiag's update takes 1.6-1.9x AdamW's time against 2.6x for
+        XLA, ``benchmarks/README.md``), when ``mesh`` is given or the process has one device
+        (without a mesh, several devices' arrays may be sharded by the caller's ``jit``, which
+        cannot partition a kernel); XLA elsewhere, for wider bands and for sharded tensors.
         ``"xla"``: never the kernels; ``"pallas"``: the kernels wherever they apply, also off GPU
         (in Pallas' interpreter: slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
@@ -374,12 +379,13 @@ def scale_by_sonew(
 
 def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -> Callable:
     """The whole-tree step ``(updates, m, d, e, ratio, corrections) -> (u, m, d, e, ratio)``."""
+    kernels = _kernels_enabled(implementation, mesh)
 
     def tree_step(updates, m, d, e, ratio, corrections, layouts):
         treedef = jax.tree.structure(updates)
         leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
         steps = [
-            _leaf_step(g, mi, di, ei, corrections, hyper, lay, implementation)
+            _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels)
             for g, mi, di, ei, _, lay in zip(*leaves, strict=True)
         ]
         ratios = _graft_ratios([step[4] for step in steps])
@@ -402,8 +408,7 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
 
     # Pallas kernels (fused.py) declare plain output shapes, without the varying-axes type that
     # shard_map's check wants; their replicated outputs come from replicated inputs alone.
-    check_vma = not _kernels_enabled(implementation)
-    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=check_vma)
+    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=not kernels)
 
 
 def sonew(
