@@ -159,11 +159,15 @@ def adafactor_unfactored(
     )
 
 
-def hyperparameters(sonew_eps: float | list[float] = DEFAULT_SONEW_EPS) -> dict[str, dict]:
+def hyperparameters(
+    sonew_eps: float | list[float] = DEFAULT_SONEW_EPS, sonew_b2: float = B2
+) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
-    ``sonew_eps`` (the JSON's config records the list of swept values)."""
+    ``sonew_eps`` (the JSON's config records the list of swept values) and its ``b2``
+    ``sonew_b2``."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
+    hp[CANDIDATE]["b2"] = sonew_b2
     return hp
 
 
@@ -269,7 +273,7 @@ class OptimizerRunner:
             total_steps=args.steps,
             end_factor=args.end_factor,
         )
-        hp, eps = hyperparameters()[name], None
+        hp, eps = hyperparameters(sonew_b2=args.sonew_b2)[name], None
         if name == CANDIDATE:  # eps is optimizer state, set per run
             del hp["eps"]
             eps = args.sonew_eps[0]
@@ -626,7 +630,7 @@ def build_result(
             "seed": SEED,
             "learning_rates": lrs,
             "layers": args.layers,
-            "hyperparameters": hyperparameters(args.sonew_eps),
+            "hyperparameters": hyperparameters(args.sonew_eps, args.sonew_b2),
             "jax": jax.__version__,
         },
         "rows": summary_rows(runs, lrs, eps),
@@ -686,6 +690,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated values of SONew's absolute damping of diag(H) (default "
         f"{DEFAULT_SONEW_EPS:g}; see the README for the choice); SONew runs every learning rate "
         "with every value (one compiled step: eps is optimizer state)",
+    )
+    p.add_argument(
+        "--sonew_b2",
+        type=float,
+        default=B2,
+        help=f"SONew's decay of d and e (default {B2}, AdamW's; the paper's LM runs used 0.99 for "
+        "Adafactor's second moment)",
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (.md, .png beside)")
     p.add_argument(

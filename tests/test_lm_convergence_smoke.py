@@ -59,6 +59,16 @@ def test_sonew_eps_flag():
             parse(["--sonew_eps", bad])
 
 
+def test_sonew_b2_flag_reaches_only_sonew():
+    args = lm_convergence.parse_args(["--sonew_b2", "0.99"])
+    hp = lm_convergence.hyperparameters(args.sonew_eps, args.sonew_b2)
+    assert hp["sonew_tridiag"]["b2"] == 0.99
+    assert hp["adamw"]["b2"] == hp["adafactor"]["b2"] == lm_convergence.B2
+    assert lm_convergence.parse_args([]).sonew_b2 == lm_convergence.B2
+    factory = lm_convergence.base_factory("sonew_tridiag", hp["sonew_tridiag"])
+    assert factory.keywords["b2"] == 0.99
+
+
 def test_adam_decay_rate_is_bias_corrected_ema():
     b2, v, g2 = 0.9, 0.0, [1.0, 4.0, 9.0]
     for step, x in enumerate(g2):
