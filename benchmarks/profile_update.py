@@ -96,10 +96,7 @@ def read_trace(directory: Path) -> dict:
 
 def profile_optimizer(name: str, shapes, grads, args, trace_dir: Path) -> dict:
     """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name``."""
-    tx = update_speed.make_optimizer(name)
-    params = lm_shapes.random_tree(shapes, jax.random.key(1))
-    carry = (params, update_speed.init_state(tx, params))
-    update = update_speed.make_update(tx)
+    update, carry = update_speed.fresh_update(update_speed.make_optimizer(name), shapes)
     for _ in range(args.warmup):
         carry = jax.block_until_ready(update(*carry, grads))
     directory = trace_dir / name

@@ -114,12 +114,9 @@ def run_steps(update, carry, grads, steps: int):
 
 def single_device(band: int, shapes, args) -> tuple[tuple, float]:
     """The unsharded reference: (params, state) after ``check_steps``, and its median ms."""
-    tx = make_sonew(band)
-    params = lm_shapes.random_tree(shapes, jax.random.key(1))
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
-    update = update_speed.make_update(tx)
-    state = update_speed.init_state(tx, params)
-    reference = run_steps(update, (params, state), grads, args.check_steps)
+    update, carry = update_speed.fresh_update(make_sonew(band), shapes)
+    reference = run_steps(update, carry, grads, args.check_steps)
     median, _, _ = common.time_steps(
         lambda c: update(*c, grads), copy_tree(reference), args.warmup, args.iters
     )

@@ -103,14 +103,19 @@ def floor_bytes(params_shape, state_shape) -> int:
     return 3 * nbytes(params_shape) + 2 * nbytes(state_shape)
 
 
+def fresh_update(tx, shapes) -> tuple[Callable, tuple]:
+    """``tx``'s donated update (:func:`make_update`) and its first ``(params, state)``: random
+    parameters of ``shapes`` and the initial state, on the first device."""
+    params = lm_shapes.random_tree(shapes, jax.random.key(1))
+    return make_update(tx), (params, init_state(tx, params))
+
+
 def time_optimizer(tx, shapes, grads, args) -> tuple[float, float, int]:
     """(median ms, min ms, floor bytes) of ``tx``'s donated update on fresh random parameters."""
-    params = lm_shapes.random_tree(shapes, jax.random.key(1))
-    state = init_state(tx, params)
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
-    update = make_update(tx)
+    update, carry = fresh_update(tx, shapes)
     median, times, _ = common.time_steps(
-        lambda c: update(*c, grads), (params, state), args.warmup, args.iters
+        lambda c: update(*c, grads), carry, args.warmup, args.iters
     )
     return median, min(times), moved
 
