@@ -93,12 +93,29 @@ def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:
     return {"optimizer": name, **counts}
 
 
+def parse_tiles(text: str) -> list[tuple[int, int, int]]:
+    """``--tiles``: ``RxCxW,...`` with powers of 2 (Triton's block shapes and warp counts)."""
+    tiles = []
+    for tile in text.split(","):
+        parts = tile.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"tile {tile!r} is not rows x cols x warps")
+        values = tuple(int(p) for p in parts)
+        if any(v & (v - 1) for v in values):
+            raise argparse.ArgumentTypeError(f"tile {tile!r}: every number must be a power of 2")
+        tiles.append(values)
+    return tiles
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="4096,4096", help="the single tensor's shape")
     common.add_timing_args(p, warmup=3, iters=30)
     p.add_argument(
-        "--tiles", default=TILES, help="kernel tiles, rows x cols x warps, comma-separated"
+        "--tiles",
+        type=parse_tiles,
+        default=TILES,
+        help="kernel tiles, rows x cols x warps (powers of 2), comma-separated",
     )
     p.add_argument("--updates", default=UPDATES, help="whole updates to time (update_speed names)")
     p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
@@ -124,9 +141,8 @@ def main(argv=None) -> dict:
     updates = args.updates.split(",")
     for name in updates:
         add(f"update {name}", *time_update(name, shape, args))
-    tiles = [tuple(int(n) for n in tile.split("x")) for tile in args.tiles.split(",")]
     for band in (0, 1):
-        for setting in tiles:
+        for setting in args.tiles:
             label = "tile {}x{} warps {}".format(*setting)
             add(f"kernel band{band} {label}", *time_kernel(band, setting, shape, args))
     hlo = []

@@ -3,12 +3,14 @@
 No timing is asserted. The 8 simulated CPU devices come from conftest.py.
 """
 
+import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
 import jax
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kernel_speed
@@ -73,6 +75,13 @@ def test_kernel_speed_schema(tmp_path):
     assert set(hlo) == set(kernel_speed.UPDATES.split(","))
     assert "ENTRY" in (hlo_dir / "sonew_tridiag.txt").read_text()
     assert hlo["sonew_tridiag"]["custom_calls"] == 0  # the XLA path launches no Pallas kernel
+
+
+def test_kernel_speed_tiles_flag():
+    assert kernel_speed.parse_tiles("16x64x4,8x128x8") == [(16, 64, 4), (8, 128, 8)]
+    for bad in ("16x64", "16x48x4", "ax64x4", "0x64x4"):
+        with pytest.raises(argparse.ArgumentTypeError, match="tile"):
+            kernel_speed.parse_tiles(bad)
 
 
 def test_train_step_schema(tmp_path):
