@@ -9,7 +9,7 @@ events back and reports, per step:
 * ``busy_ms``: the sum of kernel durations on the device, and ``kernels``: how many ran;
 * ``idle_ms`` = ``wall_ms - busy_ms``: launch gaps and host overhead;
 * ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
-  -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band1_step``, ``sonew_write_back``
+  -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_step``
   ...), largest first.
 
 Output: a table per optimizer, and ``--out`` (default ``benchmarks/results/profile_update.json``)
@@ -94,24 +94,26 @@ def read_trace(directory: Path) -> dict:
         return json.load(f)
 
 
+def trace_steps(step, carry, iters: int, directory: Path) -> tuple[dict, object]:
+    """``iters`` blocking calls ``carry = step(carry)`` under the profiler (trace kept in
+    ``directory``): returns ``({"wall_ms", "idle_ms", "busy_ms", "kernels", "families"}, carry)``,
+    all per step."""
+    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
+        start = time.perf_counter()
+        for _ in range(iters):
+            carry = jax.block_until_ready(step(carry))
+        wall_ms = 1e3 * (time.perf_counter() - start) / iters
+    summary = summarize(device_kernels(read_trace(directory)), iters)
+    return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["busy_ms"], **summary}, carry
+
+
 def profile_optimizer(name: str, shapes, grads, args, trace_dir: Path) -> dict:
     """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name``."""
     update, carry = update_speed.fresh_update(update_speed.make_optimizer(name), shapes)
     for _ in range(args.warmup):
         carry = jax.block_until_ready(update(*carry, grads))
-    directory = trace_dir / name
-    with jax.profiler.trace(str(directory), create_perfetto_trace=True):
-        start = time.perf_counter()
-        for _ in range(args.iters):
-            carry = jax.block_until_ready(update(*carry, grads))
-        wall_ms = 1e3 * (time.perf_counter() - start) / args.iters
-    summary = summarize(device_kernels(read_trace(directory)), args.iters)
-    return {
-        "optimizer": name,
-        "wall_ms": wall_ms,
-        "idle_ms": wall_ms - summary["busy_ms"],
-        **summary,
-    }
+    summary, _ = trace_steps(lambda c: update(*c, grads), carry, args.iters, trace_dir / name)
+    return {"optimizer": name, **summary}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

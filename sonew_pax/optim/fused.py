@@ -4,21 +4,23 @@ XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) in
 over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
 update the donated state in place: it copies every state array once more. Here:
 
+* **XLA** first copies, for band 1, the first and last row of every row chunk of ``m``, ``d`` and
+  ``e`` into a small halo input (:func:`chunk_edges`, ``2 / rows`` of the state). These are the
+  rows a program reads from its neighbours' chunks (and, at the top and bottom of the tensor, the
+  wrapped chain neighbours, :func:`chain_neighbour`); reading the copies, no program depends on
+  when another one overwrites its rows. XLA fuses these slices of all tensors into a few kernels;
 * **the step kernel** tiles the 2-D view of the tensor (:func:`tile_view`: axis 0 by the rest,
   the chain running down the columns) in ``rows x cols`` tiles. A program reads its tile of
-  ``g``, ``m``, ``d`` (and ``e``), the rows just above and below it, and at the top and bottom of
-  the tensor the wrapped chain neighbours (:func:`chain_neighbour`); it writes the direction
-  ``u``, per tile the partial norms of Adam's direction and of ``u`` as ``(max |x|, sum (x /
-  max)^2)`` pairs (safe from overflow and underflow, like ``chain.norms``), and the new state
-  **in place** -- except the first and last row of each row chunk, which other programs read as
-  neighbours: those go to a small side buffer (``2 / rows`` of the state);
-* **the write-back kernel** copies the side buffer into the state (band 1 only);
+  ``g``, ``m``, ``d`` (and ``e``), the rows just above and below it (the state's from the halo
+  input), and writes the direction ``u``, per tile the partial norms of Adam's direction and of
+  ``u`` as ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
+  ``chain.norms``), and the new state **in place**;
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, one reduction for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``.
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass, against 28 for a
-fused AdamW, with two kernel launches per tensor. The math is ``pointwise``'s, the same functions
+fused AdamW, with one kernel launch per tensor. The math is ``pointwise``'s, the same functions
 the XLA path runs, so results agree to float rounding (the norms are summed in another order).
 ``interpret=True`` runs the kernels in Pallas' interpreter (any backend; the tests use it on CPU).
 
@@ -93,10 +95,21 @@ def _chunk_rows(i, rows: int, num_rows: int):
     return i * rows, jnp.minimum((i + 1) * rows, num_rows) - 1
 
 
+def chunk_edges(x: jax.Array, rows: int) -> jax.Array:
+    """The halo input of ``x`` (band 1): the first and last row of every ``rows``-row chunk of its
+    view (:func:`tile_view`), flat; view row ``2 i`` (``2 i + 1``) is chunk ``i``'s first (last)."""
+    num_rows, num_cols = tile_view(x.shape)
+    view = x.reshape(num_rows, num_cols)
+    first, last = view[::rows], view[rows - 1 :: rows]
+    if num_rows % rows:
+        last = jnp.concatenate([last, view[-1:]])
+    return jnp.stack([first, last], axis=1).reshape(-1)
+
+
 def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
     if band:
-        g_ref, m_ref, d_ref, e_ref, u_ref, m_out, d_out, e_out, *side_refs, parts_ref = refs
+        g_ref, m_ref, d_ref, e_ref, *halo_refs, u_ref, m_out, d_out, e_out, parts_ref = refs
     else:
         g_ref, m_ref, d_ref, u_ref, m_out, d_out, parts_ref = refs
     num_rows, num_cols = tile_view(shape)
@@ -124,73 +137,60 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
     else:
-        # Chain neighbours: one row up or down, or at the tensor's top and bottom the wrap into
+        # The chain neighbours of the chunk's first row (above) and last row (below), as flat
+        # offsets: the next chunk's edge row or, at the tensor's top and bottom, the wrap into
         # the previous / next column in Fortran order (per column, so computed on ``c`` alone).
-        top, bottom = r == 0, r == num_rows - 1
-        wrap_before, has_before = chain_neighbour(c, shape, -1)
-        wrap_after, has_after = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
+        first, last = _chunk_rows(i, rows, num_rows)
+        wrap_above, has_above = chain_neighbour(c, shape, -1)
+        wrap_below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
+        above = jnp.where(i == 0, wrap_above, (first - 1) * num_cols + c)
+        below = jnp.where(last == num_rows - 1, wrap_below, (last + 1) * num_cols + c)
+        above_ok = in_cols & ((i > 0) | has_above)
+        below_ok = in_cols & ((last < num_rows - 1) | has_below)
+        # Those rows are other chunks' last (above) and first (below) rows: their slots in the
+        # halo input (``chunk_edges``), which holds the state as it was before this step.
+        halo_above = (2 * (above // num_cols // rows) + 1) * num_cols + above % num_cols
+        halo_below = 2 * (below // num_cols // rows) * num_cols + below % num_cols
 
-        # Only the first (last) row chunk holds row 0 (R - 1): elsewhere the wraps stay unread.
-        has_before &= in_cols & (i == 0)
-        has_after &= in_cols & ((i + 1) * rows >= num_rows)
+        def up(ref, halo_ref, at):
+            """``ref`` one row up; at the chunk's first row from ``halo_ref[at]``."""
+            inner = read(ref, offset - num_cols, valid & (r != first))
+            return jnp.where(r == first, read(halo_ref, at, above_ok), inner)
 
-        def before(ref):
-            wrapped = read(ref, wrap_before, has_before)
-            return jnp.where(top, wrapped, read(ref, offset - num_cols, valid & ~top))
+        def down(ref, halo_ref, at):
+            """``ref`` one row down; at the chunk's last row from ``halo_ref[at]``."""
+            inner = read(ref, offset + num_cols, valid & (r != last))
+            return jnp.where(r == last, read(halo_ref, at, below_ok), inner)
 
-        def after(ref):
-            wrapped = read(ref, wrap_after, has_after)
-            return jnp.where(bottom, wrapped, read(ref, offset + num_cols, valid & ~bottom))
-
+        halo_m, halo_d, halo_e = halo_refs  # g is read-only: its own rows serve as its halo
         at = {
-            -1: pointwise.Raw(before(g_ref), before(m_ref), before(d_ref)),
+            -1: pointwise.Raw(
+                up(g_ref, g_ref, above),
+                up(m_ref, halo_m, halo_above),
+                up(d_ref, halo_d, halo_above),
+            ),
             0: raw,
-            1: pointwise.Raw(after(g_ref), after(m_ref), after(d_ref)),
+            1: pointwise.Raw(
+                down(g_ref, g_ref, below),
+                down(m_ref, halo_m, halo_below),
+                down(d_ref, halo_d, halo_below),
+            ),
         }
-        e_here, e_before = here(e_ref), before(e_ref)
+        e_here, e_up = here(e_ref), up(e_ref, halo_e, halo_above)
         if not interpret:
-            # Every thread has read its neighbours' rows before any thread overwrites them.
+            # Every thread has read its tile's rows before any thread overwrites them.
             plgpu.debug_barrier()
-        step = pointwise.tridiagonal_step(at, e_here, e_before, corrections, hyper)
+        step = pointwise.tridiagonal_step(at, e_here, e_up, corrections, hyper)
         outputs.append((e_out, "e"))
     plgpu.store(u_ref.at[offset], step.u.astype(u_ref.dtype), mask=valid)
-    if band:
-        # The chunk's first and last rows go to its two side-buffer rows, the rest in place.
-        # Masked-off lanes get an address past the buffer, so none aliases a written one (the
-        # interpreter writes masked lanes back with their old values).
-        first, last = _chunk_rows(i, rows, num_rows)
-        edge = (r == first) | (r == last)
-        beyond = side_refs[0].shape[0]
-        side = (2 * i + jnp.where(r == first, 0, 1)) * num_cols + c
-        side = jnp.where(valid & edge, side, beyond)
-        for (ref, name), side_ref in zip(outputs, side_refs, strict=True):
-            x = getattr(step, name)
-            plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid & ~edge)
-            plgpu.store(side_ref.at[side], x.astype(side_ref.dtype), mask=valid & edge)
-    else:
-        for ref, name in outputs:
-            plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
+    for ref, name in outputs:
+        plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
     for k, x in enumerate((step.adam, step.u)):
         magnitude = jnp.where(valid, jnp.abs(x), 0)
         top_value = jnp.max(magnitude)
         scaled = magnitude * (1 / jnp.where(top_value > 0, top_value, 1))
         parts_ref[i, j, 2 * k] = top_value
         parts_ref[i, j, 2 * k + 1] = jnp.sum(scaled * scaled)
-
-
-def _write_back_kernel(*refs, shape, rows, cols):
-    """Copies the side buffer's first and last rows of row chunk ``i`` into the state."""
-    count = len(refs) // 3
-    side_refs, outs = refs[:count], refs[2 * count :]
-    num_rows, num_cols = tile_view(shape)
-    i, j = pl.program_id(0), pl.program_id(1)
-    c = j * cols + jnp.arange(cols, dtype=jnp.int32)
-    in_cols = c < num_cols
-    first, last = _chunk_rows(i, rows, num_rows)
-    for slot, row, mask in ((0, first, in_cols), (1, last, in_cols & (last != first))):
-        for side_ref, out in zip(side_refs, outs, strict=True):
-            x = plgpu.load(side_ref.at[(2 * i + slot) * num_cols + c], mask=mask, other=0)
-            plgpu.store(out.at[row * num_cols + c], x, mask=mask)
 
 
 def leaf_update(
@@ -222,11 +222,11 @@ def leaf_update(
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
     scalars = jnp.stack([jnp.asarray(x, compute) for x in [*numbers, 0]])
-    state = [m.reshape(-1), d.reshape(-1)] + ([e[0].reshape(-1)] if band else [])
+    state = [m, d] + ([e[0]] if band else [])
+    halos = [chunk_edges(x, rows) for x in state] if band else []
+    state = [x.reshape(-1) for x in state]
     outputs = [jax.ShapeDtypeStruct((size,), compute)]
     outputs += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
-    if band:
-        outputs += [jax.ShapeDtypeStruct((grid[0] * 2 * num_cols,), x.dtype) for x in state]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
     static = dict(shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
@@ -239,20 +239,7 @@ def leaf_update(
         compiler_params=params,
         name=f"sonew_band{band}_step",
     )
-    u, *rest = step(scalars, g.reshape(-1), *state)
-    parts = rest.pop()
-    new_state = rest[: len(state)]
-    if band:
-        write_back = pl.pallas_call(
-            _bind(_write_back_kernel, "sonew_write_back", shape=shape, rows=rows, cols=cols),
-            grid=grid,
-            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state],
-            input_output_aliases={len(state) + k: k for k in range(len(state))},
-            interpret=interpret,
-            compiler_params=params,
-            name="sonew_write_back",
-        )
-        new_state = write_back(*rest[len(state) :], *new_state)
+    u, *new_state, parts = step(scalars, g.reshape(-1), *state, *halos)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
     parts = parts.reshape(-1, 4) if hyper.graft == "adam" else None
