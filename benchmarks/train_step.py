@@ -17,7 +17,9 @@ tests).
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "first_step_s", "tokens_per_s",
-"loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch).
+"loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch);
+with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
+``kernels`` and the largest kernel ``families`` of ``N`` traced steps (``profile_update.py``).
 SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels).
 
 Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
@@ -39,6 +41,7 @@ import optax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import profile_update
 import update_speed
 
 from sonew_pax import optimizers, partitioning
@@ -57,7 +60,9 @@ COLUMNS = (
     "memory_ratio_vs_adamw",
     "first_step_s",
     "loss",
+    "busy_ms",
 )
+PROFILE_FAMILIES = 16
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.1
 
@@ -143,6 +148,17 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         median, times, carry = common.time_steps(
             lambda c: trainer.train_step(c[0], batch), carry, args.warmup, args.iters
         )
+        profile = {}
+        if args.profile_steps:
+            with tempfile.TemporaryDirectory() as tmp:
+                summary, carry = profile_update.trace_steps(
+                    lambda c: trainer.train_step(c[0], batch), carry, args.profile_steps, Path(tmp)
+                )
+            profile = {
+                "busy_ms": summary["busy_ms"],
+                "kernels": summary["kernels"],
+                "families": summary["families"][:PROFILE_FAMILIES],
+            }
     return {
         "optimizer": name,
         "step_ms": median,
@@ -152,10 +168,11 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
         "loss": float(carry[1]["loss"]),
         "first_loss": first_loss,
-        "steps": 1 + args.warmup + args.iters,
+        "steps": 1 + args.warmup + args.iters + args.profile_steps,
         "mesh": f"{args.mesh_data}x{args.mesh_model}",
         "params": count_params(trainer.layout.abstract.params),
         "device": common.device_name(),
+        **profile,
     }
 
 
@@ -178,6 +195,8 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
         str(args.warmup),
         "--iters",
         str(args.iters),
+        "--profile_steps",
+        str(args.profile_steps),
         "--mesh_data",
         str(args.mesh_data),
         "--mesh_model",
@@ -230,6 +249,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
+    p.add_argument(
+        "--profile_steps",
+        type=int,
+        default=0,
+        help="after timing, trace this many steps with jax.profiler and add the device's kernel "
+        f"time per step (busy_ms), kernel count and top {PROFILE_FAMILIES} kernel families to "
+        "each row (profile_update.py's summary)",
+    )
     p.add_argument(
         "--unsharded_optimizer",
         action="store_true",

@@ -104,12 +104,16 @@ def test_train_step_schema(tmp_path):
         "--optimizers",
         "adamw,sonew_diag",
         "--no_isolate",
+        "--profile_steps",
+        "1",
     ]
     written = _read(out, train_step.main([*argv, "--out", str(out)]))
     assert [row["optimizer"] for row in written["rows"]] == ["adamw", "sonew_diag"]
     for row in written["rows"]:
         assert _finite(row["step_ms"]) and _finite(row["ratio_vs_adamw"]) and _finite(row["loss"])
         assert "peak_memory_gib" in row  # None on CPU
+        # The trace has no device lane on CPU: the plumbing only (profile_update's test reads one).
+        assert row["busy_ms"] == 0 and row["families"] == [] and row["steps"] == 3
 
 
 def test_train_step_child_argv_round_trips(tmp_path):
@@ -126,6 +130,8 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "4",
             "--layers",
             "1",
+            "--profile_steps",
+            "2",
         ]
     )
     child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
@@ -138,6 +144,7 @@ def test_train_step_child_argv_round_trips(tmp_path):
         "seq_len",
         "warmup",
         "iters",
+        "profile_steps",
         "unsharded_optimizer",
     ):
         assert getattr(child, name) == getattr(args, name)
