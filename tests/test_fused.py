@@ -191,3 +191,40 @@ def test_auto_off_gpu_is_the_xla_path():
     got = run(sonew(0.1), params, grads)
     for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
+    """Each array's halo rows are its view's first and last row of every row chunk (the ragged
+    last chunk's last row too); arrays of one view and dtype share launches of at most
+    ``_HALO_GROUP``."""
+    monkeypatch.setattr(fused, "_HALO_GROUP", 2)
+    rng = np.random.default_rng(0)
+    shapes = [(70, 130), (70, 13, 10), (70, 130), (33, 6), (9,), (70, 130)]
+    dtypes = [jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32]
+    arrays = [jnp.asarray(rng.normal(size=s), t) for s, t in zip(shapes, dtypes, strict=True)]
+    halos = fused.gather_halos(arrays, rows=16, interpret=True)
+    for x, halo in zip(arrays, halos, strict=True):
+        num_rows, num_cols = fused.tile_view(x.shape)
+        view = np.asarray(x).reshape(num_rows, num_cols)
+        firsts = list(range(0, num_rows, 16))
+        lasts = [min(f + 16, num_rows) - 1 for f in firsts]
+        expect = np.stack([view[firsts], view[lasts]], axis=1).reshape(-1)
+        start = halo.index * expect.size
+        got = np.asarray(halo.buffer)[start : start + expect.size]
+        assert halo.rows == 16 and halo.buffer.dtype == x.dtype
+        np.testing.assert_array_equal(got, expect)
+    # (70, 130) and (70, 13, 10) share a view: the first two float32 arrays fill one launch of
+    # two, the third gets its own; bfloat16 and the other views have theirs.
+    assert halos[0].buffer is halos[1].buffer and (halos[0].index, halos[1].index) == (0, 1)
+    assert halos[5].buffer is not halos[0].buffer and halos[5].index == 0
+    assert len({id(h.buffer) for h in halos}) == 5
+
+
+def test_leaf_update_rejects_halos_of_another_tile():
+    shape = (40, 8)
+    m, d = jnp.zeros(shape), jnp.ones(shape)
+    e = jnp.zeros((1, *shape))
+    halos = tuple(fused.gather_halos([m, d, e[0]], rows=8, interpret=True))
+    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    with pytest.raises(ValueError, match="chunks of 8 rows, tile has 16"):
+        fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)

@@ -4,11 +4,11 @@ XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) in
 over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
 update the donated state in place: it copies every state array once more. Here:
 
-* **XLA** first copies, for band 1, the first and last row of every row chunk of ``m``, ``d`` and
-  ``e`` into a small halo input (:func:`chunk_edges`, ``2 / rows`` of the state). These are the
-  rows a program reads from its neighbours' chunks (and, at the top and bottom of the tensor, the
-  wrapped chain neighbours, :func:`chain_neighbour`); reading the copies, no program depends on
-  when another one overwrites its rows. XLA fuses these slices of all tensors into a few kernels;
+* **the halo kernel** first copies, for band 1, the first and last row of every row chunk of
+  ``m``, ``d`` and ``e`` into halo rows (:func:`gather_halos`, ``2 / rows`` of the state). These
+  are the rows a program reads from its neighbours' chunks (and, at the top and bottom of the
+  tensor, the wrapped chain neighbours, :func:`chain_neighbour`); reading the copies, no program
+  depends on when another one overwrites its rows. One launch serves many same-shaped tensors;
 * **the step kernel** tiles the 2-D view of the tensor (:func:`tile_view`: axis 0 by the rest,
   the chain running down the columns) in ``rows x cols`` tiles. A program reads its tile of
   ``g``, ``m``, ``d`` (and ``e``), the rows just above and below it (the state's from the halo
@@ -20,8 +20,9 @@ update the donated state in place: it copies every state array once more. Here:
   learning rate and ``optax.apply_updates``.
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass, against 28 for a
-fused AdamW, with one kernel launch per tensor. The math is ``pointwise``'s, the same functions
-the XLA path runs, so results agree to float rounding (the norms are summed in another order).
+fused AdamW, with one step launch per tensor and a few halo launches per model. The math is
+``pointwise``'s, the same functions the XLA path runs, so results agree to float rounding (the
+norms are summed in another order).
 ``interpret=True`` runs the kernels in Pallas' interpreter (any backend; the tests use it on CPU).
 
 Only tensors that live whole on the device take this path (sharded ones need halos from other
@@ -31,7 +32,7 @@ devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int3
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -95,18 +96,77 @@ def _chunk_rows(i, rows: int, num_rows: int):
     return i * rows, jnp.minimum((i + 1) * rows, num_rows) - 1
 
 
-def chunk_edges(x: jax.Array, rows: int) -> jax.Array:
-    """The halo input of ``x`` (band 1): the first and last row of every ``rows``-row chunk of its
-    view (:func:`tile_view`), flat; view row ``2 i`` (``2 i + 1``) is chunk ``i``'s first (last)."""
-    num_rows, num_cols = tile_view(x.shape)
-    view = x.reshape(num_rows, num_cols)
-    first, last = view[::rows], view[rows - 1 :: rows]
-    if num_rows % rows:
-        last = jnp.concatenate([last, view[-1:]])
-    return jnp.stack([first, last], axis=1).reshape(-1)
+class Halo(NamedTuple):
+    """Where one state array's halo rows live: a flat ``buffer`` that holds the chunk-edge rows
+    of several same-shaped arrays (:func:`gather_halos`), this one's at ``index``, in row chunks
+    of ``rows``. Of the view (:func:`tile_view`) of array ``index``, halo row ``2 i`` (``2 i +
+    1``) is the first (last) row of chunk ``i``; it starts at ``index * 2 * chunks * C``."""
+
+    buffer: jax.Array
+    index: int
+    rows: int
 
 
-def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
+def _halo_kernel(*refs, view, rows, cols):
+    """Program ``(k, i, j)`` copies columns block ``j`` of chunk ``i``'s first and last rows of
+    input ``k`` into its two halo rows (a branch per input: the refs are static)."""
+    *inputs, out_ref = refs
+    num_rows, num_cols = view
+    chunks = pl.cdiv(num_rows, rows)
+    k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    c = j * cols + jnp.arange(cols, dtype=jnp.int32)
+    in_cols = c < num_cols
+    first, last = _chunk_rows(i, rows, num_rows)
+    for index, ref in enumerate(inputs):
+
+        @pl.when(k == index)
+        def _copy(index=index, ref=ref):
+            for slot, row in enumerate((first, last)):
+                x = plgpu.load(ref.at[row * num_cols + c], mask=in_cols)
+                at = (index * 2 * chunks + 2 * i + slot) * num_cols + c
+                plgpu.store(out_ref.at[at], x, mask=in_cols)
+
+
+# Inputs per halo launch (each is a kernel argument and a branch of ``_halo_kernel``).
+_HALO_GROUP = 64
+_HALO_COLS = 512
+
+
+def gather_halos(
+    arrays: list[jax.Array], rows: int | None = None, *, interpret: bool = False
+) -> list[Halo]:
+    """The halo rows of band-1 state arrays, read before the step kernels overwrite them in place.
+
+    Arrays of one view shape and dtype share launches (up to ``_HALO_GROUP`` arrays each), so a
+    model's update adds a few small kernels, not one per tensor. ``rows`` is the step kernel's
+    row chunk (default ``TILES[1]``'s). Returns one :class:`Halo` per array, in order.
+    """
+    rows = rows or TILES[1][0]
+    groups: dict[tuple, list[int]] = {}
+    for k, x in enumerate(arrays):
+        groups.setdefault((tile_view(x.shape), jnp.dtype(x.dtype)), []).append(k)
+    halos: list[Halo | None] = [None] * len(arrays)
+    for (view, dtype), members in groups.items():
+        num_rows, num_cols = view
+        chunks = pl.cdiv(num_rows, rows)
+        per_launch = max(1, min(_HALO_GROUP, _MAX_SIZE // (2 * chunks * num_cols)))
+        for start in range(0, len(members), per_launch):
+            part = members[start : start + per_launch]
+            cols = min(_HALO_COLS, pl.next_power_of_2(num_cols))
+            gather = pl.pallas_call(
+                _bind(_halo_kernel, "sonew_halo", view=view, rows=rows, cols=cols),
+                grid=(len(part), chunks, pl.cdiv(num_cols, cols)),
+                out_shape=jax.ShapeDtypeStruct((len(part) * 2 * chunks * num_cols,), dtype),
+                interpret=interpret,
+                name="sonew_halo",
+            )
+            buffer = gather(*(arrays[k].reshape(-1) for k in part))
+            for index, k in enumerate(part):
+                halos[k] = Halo(buffer, index, rows)
+    return halos
+
+
+def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, halo_starts, interpret):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
     if band:
         g_ref, m_ref, d_ref, e_ref, *halo_refs, u_ref, m_out, d_out, e_out, parts_ref = refs
@@ -147,8 +207,8 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
         below = jnp.where(last == num_rows - 1, wrap_below, (last + 1) * num_cols + c)
         above_ok = in_cols & ((i > 0) | has_above)
         below_ok = in_cols & ((last < num_rows - 1) | has_below)
-        # Those rows are other chunks' last (above) and first (below) rows: their slots in the
-        # halo input (``chunk_edges``), which holds the state as it was before this step.
+        # Those rows are other chunks' last (above) and first (below) rows: their places in the
+        # halo rows (``Halo``), which hold the state as it was before this step.
         halo_above = (2 * (above // num_cols // rows) + 1) * num_cols + above % num_cols
         halo_below = 2 * (below // num_cols // rows) * num_cols + below % num_cols
 
@@ -162,21 +222,22 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
             inner = read(ref, offset + num_cols, valid & (r != last))
             return jnp.where(r == last, read(halo_ref, at, below_ok), inner)
 
-        halo_m, halo_d, halo_e = halo_refs  # g is read-only: its own rows serve as its halo
+        # g is read-only: its own rows serve as its halo.
+        (halo_m, m0), (halo_d, d0), (halo_e, e0) = zip(halo_refs, halo_starts, strict=True)
         at = {
             -1: pointwise.Raw(
                 up(g_ref, g_ref, above),
-                up(m_ref, halo_m, halo_above),
-                up(d_ref, halo_d, halo_above),
+                up(m_ref, halo_m, m0 + halo_above),
+                up(d_ref, halo_d, d0 + halo_above),
             ),
             0: raw,
             1: pointwise.Raw(
                 down(g_ref, g_ref, below),
-                down(m_ref, halo_m, halo_below),
-                down(d_ref, halo_d, halo_below),
+                down(m_ref, halo_m, m0 + halo_below),
+                down(d_ref, halo_d, d0 + halo_below),
             ),
         }
-        e_here, e_up = here(e_ref), up(e_ref, halo_e, halo_above)
+        e_here, e_up = here(e_ref), up(e_ref, halo_e, e0 + halo_above)
         if not interpret:
             # Every thread has read its tile's rows before any thread overwrites them.
             plgpu.debug_barrier()
@@ -203,6 +264,7 @@ def leaf_update(
     *,
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
+    halos: tuple[Halo, Halo, Halo] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
 
@@ -214,6 +276,9 @@ def leaf_update(
     sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(tiles, 4)`` rows ``(scale_adam,
     sum_adam, scale_u, sum_u)`` (``None`` unless ``hyper.graft == "adam"``); see
     ``chain.merge_norm_parts``.
+
+    Band 1 reads the halo rows of ``(m, d, e)`` from ``halos`` (:func:`gather_halos`, which can
+    gather those of a model's tensors in a few launches); default: gathered here.
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     rows, cols, num_warps = tile or TILES[band]
@@ -223,12 +288,21 @@ def leaf_update(
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
     scalars = jnp.stack([jnp.asarray(x, compute) for x in [*numbers, 0]])
     state = [m, d] + ([e[0]] if band else [])
-    halos = [chunk_edges(x, rows) for x in state] if band else []
+    if band:
+        halos = halos or gather_halos(state, rows, interpret=interpret)
+        if any(h.rows != rows for h in halos):
+            raise ValueError(f"halos gathered in chunks of {halos[0].rows} rows, tile has {rows}")
+    else:
+        halos = ()
+    chunks = pl.cdiv(num_rows, rows)
+    halo_starts = tuple(h.index * 2 * chunks * num_cols for h in halos)
     state = [x.reshape(-1) for x in state]
     outputs = [jax.ShapeDtypeStruct((size,), compute)]
     outputs += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
-    static = dict(shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols)
+    static = dict(
+        shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols, halo_starts=halo_starts
+    )
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
     step = pl.pallas_call(
         _bind(_step_kernel, "sonew_step", **static, interpret=interpret),
@@ -239,7 +313,7 @@ def leaf_update(
         compiler_params=params,
         name=f"sonew_band{band}_step",
     )
-    u, *new_state, parts = step(scalars, g.reshape(-1), *state, *halos)
+    u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos))
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
     parts = parts.reshape(-1, 4) if hyper.graft == "adam" else None

@@ -201,11 +201,13 @@ def _leaf_step(
     hyper: Hyper,
     layout: ChainLayout,
     kernels: bool,
+    halos: tuple[fused.Halo, fused.Halo, fused.Halo] | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
 
     With ``kernels`` (:func:`_kernels_enabled`) bands 0 and 1 of a tensor whole on its device run
-    as the Pallas kernels, everything else on XLA.
+    as the Pallas kernels (band 1 with its state's ``halos``, :func:`_halos`), everything else on
+    XLA.
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
     ``graft`` is ``None`` when nothing is grafted; from the XLA path this step's ratio ``||adam||
@@ -218,14 +220,40 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
-    if kernels and fused.supported(layout, band):
-        return fused.leaf_update(
-            g, m, d, e, corrections, hyper, interpret=jax.default_backend() != "gpu"
-        )
+    if _on_kernel(kernels, layout, band, hyper):
+        interpret = _interpret()
+        return fused.leaf_update(g, m, d, e, corrections, hyper, interpret=interpret, halos=halos)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     ratio = None if grafting is None else _graft_ratio(grafting)
     return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
+
+
+def _interpret() -> bool:
+    """The kernels run compiled on GPU, in Pallas' interpreter elsewhere (tests on CPU)."""
+    return jax.default_backend() != "gpu"
+
+
+def _on_kernel(kernels: bool, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
+    """Whether :func:`_leaf_step` runs this preconditioned tensor's step as a Pallas kernel."""
+    return (
+        kernels
+        and _preconditioned(len(layout.shape), hyper.precondition_1d)
+        and fused.supported(layout, band)
+    )
+
+
+def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool) -> list:
+    """The halo rows of every band-1 kernel tensor's ``(m, d, e)`` (``fused.gather_halos``),
+    gathered together before any step kernel overwrites its state: a few launches per model
+    instead of one per tensor. ``None`` for the other tensors."""
+    on = [
+        not isinstance(ei, optax.MaskedNode) and _on_kernel(kernels, lay, ei.shape[0], hyper)
+        for ei, lay in zip(e, layouts, strict=True)
+    ]
+    arrays = [x for k, flag in enumerate(on) if flag for x in (m[k], d[k], e[k][0])]
+    gathered = iter(fused.gather_halos(arrays, interpret=_interpret()) if arrays else [])
+    return [tuple(next(gathered) for _ in range(3)) if flag else None for flag in on]
 
 
 def _graft_ratios(grafts: list[jax.Array | None]) -> list[jax.Array | None]:
@@ -384,9 +412,10 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
     def tree_step(updates, m, d, e, ratio, corrections, layouts):
         treedef = jax.tree.structure(updates)
         leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
+        halos = _halos(leaves[1], leaves[2], leaves[3], leaves[5], hyper, kernels)
         steps = [
-            _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels)
-            for g, mi, di, ei, _, lay in zip(*leaves, strict=True)
+            _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels, halo)
+            for g, mi, di, ei, _, lay, halo in zip(*leaves, halos, strict=True)
         ]
         ratios = _graft_ratios([step[4] for step in steps])
         out: list[list[Any]] = [[] for _ in range(5)]
