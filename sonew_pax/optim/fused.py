@@ -166,10 +166,11 @@ def gather_halos(
     return halos
 
 
-def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, halo_starts, interpret):
+def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
     if band:
-        g_ref, m_ref, d_ref, e_ref, *halo_refs, u_ref, m_out, d_out, e_out, parts_ref = refs
+        g_ref, m_ref, d_ref, e_ref, *halo_refs, starts_ref = refs[:8]
+        u_ref, m_out, d_out, e_out, parts_ref = refs[8:]
     else:
         g_ref, m_ref, d_ref, u_ref, m_out, d_out, parts_ref = refs
     num_rows, num_cols = tile_view(shape)
@@ -223,7 +224,10 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, halo_starts
             return jnp.where(r == last, read(halo_ref, at, below_ok), inner)
 
         # g is read-only: its own rows serve as its halo.
-        (halo_m, m0), (halo_d, d0), (halo_e, e0) = zip(halo_refs, halo_starts, strict=True)
+        # Where each array's halo rows start in its buffer: an input, so one compiled kernel
+        # serves every tensor of a shape.
+        halo_m, halo_d, halo_e = halo_refs
+        m0, d0, e0 = (starts_ref[k] for k in range(3))
         at = {
             -1: pointwise.Raw(
                 up(g_ref, g_ref, above),
@@ -294,15 +298,13 @@ def leaf_update(
             raise ValueError(f"halos gathered in chunks of {halos[0].rows} rows, tile has {rows}")
     else:
         halos = ()
-    chunks = pl.cdiv(num_rows, rows)
-    halo_starts = tuple(h.index * 2 * chunks * num_cols for h in halos)
+    halo_size = 2 * pl.cdiv(num_rows, rows) * num_cols  # one array's halo rows
+    starts = [jnp.array([h.index * halo_size for h in halos], jnp.int32)] if band else []
     state = [x.reshape(-1) for x in state]
     outputs = [jax.ShapeDtypeStruct((size,), compute)]
     outputs += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
-    static = dict(
-        shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols, halo_starts=halo_starts
-    )
+    static = dict(shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
     step = pl.pallas_call(
         _bind(_step_kernel, "sonew_step", **static, interpret=interpret),
@@ -313,7 +315,7 @@ def leaf_update(
         compiler_params=params,
         name=f"sonew_band{band}_step",
     )
-    u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos))
+    u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
     parts = parts.reshape(-1, 4) if hyper.graft == "adam" else None
