@@ -226,5 +226,5 @@ def test_leaf_update_rejects_halos_of_another_tile():
     e = jnp.zeros((1, *shape))
     halos = tuple(fused.gather_halos([m, d, e[0]], rows=8, interpret=True))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
-    with pytest.raises(ValueError, match="chunks of 8 rows, tile has 16"):
+    with pytest.raises(ValueError, match=f"chunks of 8 rows, tile has {fused.TILES[1][0]}"):
         fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
