@@ -34,8 +34,11 @@ import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common
+import kernel_speed
 import lm_shapes
 import update_speed
+
+from sonew_pax.optim import fused
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
 COLUMNS = ("optimizer", "wall_ms", "busy_ms", "idle_ms", "kernels")
@@ -107,12 +110,13 @@ def trace_steps(step, carry, iters: int, directory: Path) -> tuple[dict, object]
     return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["busy_ms"], **summary}, carry
 
 
-def profile_optimizer(name: str, shapes, grads, args, trace_dir: Path) -> dict:
-    """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name``."""
+def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:
+    """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name`` (the trace
+    kept in ``directory``)."""
     update, carry = update_speed.fresh_update(update_speed.make_optimizer(name), shapes)
     for _ in range(args.warmup):
         carry = jax.block_until_ready(update(*carry, grads))
-    summary, _ = trace_steps(lambda c: update(*c, grads), carry, args.iters, trace_dir / name)
+    summary, _ = trace_steps(lambda c: update(*c, grads), carry, args.iters, directory)
     return {"optimizer": name, **summary}
 
 
@@ -125,6 +129,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     common.add_timing_args(p, warmup=3, iters=5)
     lm_shapes.add_args(p)
+    p.add_argument(
+        "--band1_tiles",
+        type=kernel_speed.parse_tiles,
+        help="RxCxW,...: profile every optimizer once per band-1 kernel tile (fused.TILES[1] set "
+        "to it; rows named optimizer@RxCxW), to tune the tile on the whole update, where "
+        "kernel_speed.py's one tensor stays partly in L2",
+    )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
@@ -148,12 +159,21 @@ def main(argv=None) -> dict:
         "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers")},
         "rows": [],
     }
-    for name in names:
-        row = profile_optimizer(name, shapes, grads, args, trace_dir)
-        result["rows"].append(row)
-        print(f"\n{name}: {row['wall_ms']:.3f} ms per step, {row['busy_ms']:.3f} ms in kernels")
-        print(common.format_table(row["families"][: args.top], FAMILY_COLUMNS))
-        common.write_json(args.out, result)
+    default_tile = fused.TILES[1]
+    for tile in args.band1_tiles or [None]:
+        fused.TILES[1] = tile or default_tile
+        for name in names:
+            label = f"{name}@{'x'.join(map(str, tile))}" if tile else name
+            row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
+            row["optimizer"] = label
+            result["rows"].append(row)
+            print(
+                f"\n{row['optimizer']}: {row['wall_ms']:.3f} ms per step, "
+                f"{row['busy_ms']:.3f} ms in kernels"
+            )
+            print(common.format_table(row["families"][: args.top], FAMILY_COLUMNS))
+            common.write_json(args.out, result)
+    fused.TILES[1] = default_tile
     print(f"\n{result['device']}, per step ({args.iters} traced), traces in {trace_dir}\n")
     print(common.format_table(result["rows"], COLUMNS))
     return result

@@ -20,6 +20,8 @@ import sharded_update
 import train_step
 import update_speed
 
+from sonew_pax.optim import fused
+
 TINY = ["--scale", "0.03125", "--layers", "1"]
 
 
@@ -214,3 +216,18 @@ def test_profile_update_schema(tmp_path):
         assert _finite(row["wall_ms"]) and row["wall_ms"] > 0
         assert row["idle_ms"] == row["wall_ms"] - row["busy_ms"]
     assert list((tmp_path / "traces" / "adamw").glob("**/perfetto_trace.json.gz"))
+
+
+def test_profile_update_band1_tiles(tmp_path):
+    """One row per (tile, optimizer), each traced under its tile; fused.TILES is restored."""
+    default = fused.TILES[1]
+    argv = ["--optimizers", "sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
+    argv += ["--band1_tiles", "8x32x2,16x64x4", "--trace_dir", str(tmp_path / "traces")]
+    out = tmp_path / "p.json"
+    written = _read(out, profile_update.main([*argv, "--out", str(out)]))
+    assert [row["optimizer"] for row in written["rows"]] == [
+        "sonew_tridiag@8x32x2",
+        "sonew_tridiag@16x64x4",
+    ]
+    assert list((tmp_path / "traces" / "sonew_tridiag@8x32x2").glob("**/perfetto_trace.json.gz"))
+    assert fused.TILES[1] == default

@@ -19,7 +19,7 @@ from sonew_pax.optim import fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
-# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 32 x 32 for band 1) with ragged
+# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 16 x 64 for band 1) with ragged
 # last ones (and a last row chunk of one row), so row chunks read each other's edge rows from the
 # halo copies; views with one row or one column; size 1.
 SHAPES = {

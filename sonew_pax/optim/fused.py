@@ -42,12 +42,13 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout
 
-# (rows, cols, num_warps) per band: the view's rows x cols per program and its warps. Band 0: the
-# fastest of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
-# (results/kernel_speed.json, 2026-11-26: 2.8 TB/s). Band 1: the fastest overall of 8 tiles on the
-# LM set's shapes on an H100 (results/kernel_speed_lm_shapes.json, 2026-11-26: 8-15% faster than
-# 16 x 64 on 1024 x 1024, 4096 x 1024 and 1024 x 4096). Its halo rows are 2 / rows of the state.
-TILES = {0: (8, 128, 8), 1: (32, 32, 4)}
+# (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
+# of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
+# (results/kernel_speed.json; 2026-11-26: band 0 at 2.8 TB/s, band 1 at 1.9 TB/s). Band 1's halo
+# rows are 2 / rows of the state. (On one tensor of the LM set's shapes kernel_speed.py favours
+# 32 x 32, but that tensor's state stays partly in L2; in the whole LM-set update 32 x 32 is
+# slower: results/profile_update.json.)
+TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
