@@ -47,7 +47,7 @@ from sonew_pax.optim.chain import ChainLayout
 # (results/kernel_speed.json; 2026-11-26: band 0 at 2.8 TB/s, band 1 at 1.9 TB/s). Band 1's halo
 # rows are 2 / rows of the state. (On one tensor of the LM set's shapes kernel_speed.py favours
 # 32 x 32, but that tensor's state stays partly in L2; in the whole LM-set update 32 x 32 is
-# slower: results/profile_update.json.)
+# slower: results/profile_update_tile32x32.json against results/profile_update.json.)
 TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
