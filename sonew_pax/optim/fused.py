@@ -225,9 +225,8 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
             inner = read(ref, offset + num_cols, valid & (r != last))
             return jnp.where(r == last, read(halo_ref, at, below_ok), inner)
 
-        # g is read-only: its own rows serve as its halo.
-        # Where each array's halo rows start in its buffer: an input, so one compiled kernel
-        # serves every tensor of a shape.
+        # Where each state array's halo rows start in its buffer: an input, so one compiled
+        # kernel serves every tensor of a shape. g is read-only: its own rows are its halo.
         halo_m, halo_d, halo_e = halo_refs
         m0, d0, e0 = (starts_ref[k] for k in range(3))
         at = {
