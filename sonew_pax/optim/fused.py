@@ -160,6 +160,9 @@ def gather_halos(
                 grid=(len(part), chunks, pl.cdiv(num_cols, cols)),
                 out_shape=jax.ShapeDtypeStruct((len(part) * 2 * chunks * num_cols,), dtype),
                 interpret=interpret,
+                # Triton's parameters select Triton: without them jax 0.10 lowers for Mosaic GPU,
+                # whose copies reject these rows (tests/test_fused.py lowers both for CUDA).
+                compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
                 name="sonew_halo",
             )
             buffer = gather(*(arrays[k].reshape(-1) for k in part))
