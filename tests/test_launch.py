@@ -126,8 +126,9 @@ def test_tpu_pod_rejects_an_unknown_step():
 
 
 def test_slurm_dry_run_sets_the_coordinator_from_the_first_node(tmp_path):
+    # A long node list: a reader that stops after the first line would SIGPIPE scontrol.
     scontrol = tmp_path / "scontrol"
-    scontrol.write_text("#!/bin/sh\necho node-1\necho node-2\n")
+    scontrol.write_text("#!/bin/sh\necho node-1\nseq -f 'node-%g' 2 100000\n")
     scontrol.chmod(0o755)
     result = run_script("slurm_gpu.sbatch", "--gin.TRAIN_STEPS=5",
                         env=SLURM_ENV | {"DRY_RUN": "1"}, path_prefix=f"{tmp_path}:")
