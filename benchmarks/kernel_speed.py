@@ -69,10 +69,8 @@ def time_update(name: str, shape, args) -> tuple[float, int]:
     """(median ms, floor bytes) of ``update_speed``'s donated update on one tensor."""
     shapes = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
-    median, _, moved = update_speed.time_optimizer(
-        update_speed.make_optimizer(name), shapes, grads, args
-    )
-    return median, moved
+    timing = update_speed.time_optimizer(update_speed.make_optimizer(name), shapes, grads, args)
+    return timing.ms, timing.bytes
 
 
 def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:

@@ -11,9 +11,16 @@ diag-SONew 28, tridiag 36, band-b 28 + 8b; bf16 momentum and off-diagonals bring
 ``copy`` is ``x -> x * s`` (``s`` = 1 at run time, so nothing folds away) over AdamW's byte count:
 its bandwidth is the practical ceiling, and ``floor_ratio`` = time / (floor bytes / copy bandwidth).
 
+Time to ``block_until_ready`` includes the host's dispatch of the update (arguments, launches),
+the same few milliseconds for every optimizer of this set. ``--profile_steps N`` also traces N
+steps per optimizer with ``jax.profiler`` and reports the device's kernel time per step
+(``busy_ms``, ``profile_update.py``'s measure) and its ratio to AdamW's: the update's cost on the
+device, which in a training loop the next step's dispatch overlaps.
+
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
-"floor_ratio", "bytes_per_param", "ms_min"}]}``.
+"floor_ratio", "bytes_per_param", "ms_min", "busy_ms", "busy_ratio_vs_adamw"}]}`` (the last two
+null without ``--profile_steps`` and for ``copy``).
 
 SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
 same optimizer with the Pallas kernels of ``sonew_pax/optim/fused.py`` (``sonew``'s default on GPU,
@@ -24,8 +31,10 @@ Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50
 
 import argparse
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +70,17 @@ PALLAS_VARIANTS = {
 }
 SONEW_VARIANTS.update(PALLAS_VARIANTS)
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
-COLUMNS = ("optimizer", "ms", "ms_min", "ratio_vs_adamw", "gbps", "bytes_per_param", "floor_ratio")
+COLUMNS = (
+    "optimizer",
+    "ms",
+    "ms_min",
+    "ratio_vs_adamw",
+    "gbps",
+    "bytes_per_param",
+    "floor_ratio",
+    "busy_ms",
+    "busy_ratio_vs_adamw",
+)
 LEARNING_RATE = 1e-4
 WEIGHT_DECAY = 0.1
 
@@ -110,14 +129,34 @@ def fresh_update(tx, shapes) -> tuple[Callable, tuple]:
     return make_update(tx), (params, init_state(tx, params))
 
 
-def time_optimizer(tx, shapes, grads, args) -> tuple[float, float, int]:
-    """(median ms, min ms, floor bytes) of ``tx``'s donated update on fresh random parameters."""
+class Timing(NamedTuple):
+    """One optimizer's update: median and fastest ms to ``block_until_ready``, the floor bytes,
+    and the device's kernel ms per step (None unless profiled)."""
+
+    ms: float
+    ms_min: float
+    bytes: int
+    busy_ms: float | None
+
+
+def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
+    """Times ``tx``'s donated update on fresh random parameters; then, with ``profile_steps``,
+    traces that many more steps for the device's kernel time."""
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
     update, carry = fresh_update(tx, shapes)
-    median, times, _ = common.time_steps(
-        lambda c: update(*c, grads), carry, args.warmup, args.iters
-    )
-    return median, min(times), moved
+
+    def step(c):
+        return update(*c, grads)
+
+    median, times, carry = common.time_steps(step, carry, args.warmup, args.iters)
+    busy = None
+    if profile_steps:
+        import profile_update  # local import: profile_update imports this module
+
+        with tempfile.TemporaryDirectory() as tmp:
+            summary, _ = profile_update.trace_steps(step, carry, profile_steps, Path(tmp))
+        busy = summary["busy_ms"]
+    return Timing(median, min(times), moved, busy)
 
 
 def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, float]:
@@ -134,15 +173,16 @@ def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, floa
     return median, min(times)
 
 
-def make_row(name: str, ms: float, ms_min: float, moved: int, n: int) -> dict:
+def make_row(name: str, timing: Timing, n: int) -> dict:
     """One table row before the ratios (filled in by `add_ratios`)."""
     return {
         "optimizer": name,
-        "ms": ms,
-        "ms_min": ms_min,
-        "gbps": moved / ms / 1e6,
-        "bytes_per_param": moved / n,
-        "_bytes": moved,
+        "ms": timing.ms,
+        "ms_min": timing.ms_min,
+        "gbps": timing.bytes / timing.ms / 1e6,
+        "bytes_per_param": timing.bytes / n,
+        "busy_ms": timing.busy_ms,
+        "_bytes": timing.bytes,
     }
 
 
@@ -157,6 +197,8 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         moved = row.pop("_bytes")
         row["ratio_vs_adamw"] = row["ms"] / adamw["ms"] if adamw else None
         row["floor_ratio"] = row["ms"] / (moved / copy_gbps / 1e6)
+        busy = (row["busy_ms"], adamw and adamw["busy_ms"])
+        row["busy_ratio_vs_adamw"] = busy[0] / busy[1] if all(busy) else None
         out.append(row)
     return out
 
@@ -171,6 +213,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
     )
     common.add_timing_args(p, warmup=5, iters=50)
+    p.add_argument(
+        "--profile_steps",
+        type=int,
+        default=0,
+        help="after timing, trace this many steps per optimizer and report the device's kernel "
+        "time per step (busy_ms) and its ratio to AdamW's",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     return p.parse_args(argv)
 
@@ -186,6 +235,7 @@ def build_result(rows: list[dict], n: int, args: argparse.Namespace) -> dict:
             "layers": args.layers,
             "warmup": args.warmup,
             "iters": args.iters,
+            "profile_steps": args.profile_steps,
             "jax": jax.__version__,
         },
         "rows": add_ratios(rows),
@@ -206,11 +256,11 @@ def main(argv=None) -> dict:
     n = lm_shapes.count(shapes)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
-    rows = [make_row("copy", *time_copy(copy_bytes, args), copy_bytes, n)]
+    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None), n)]
     for name in names:
-        ms, ms_min, moved = time_optimizer(make_optimizer(name), shapes, grads, args)
-        rows.append(make_row(name, ms, ms_min, moved, n))
-        print(f"{name}: {ms:.3f} ms", flush=True)
+        timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
+        rows.append(make_row(name, timing, n))
+        print(f"{name}: {timing.ms:.3f} ms", flush=True)
         common.write_json(args.out, build_result(rows, n, args))
     result = build_result(rows, n, args)
     print(f"\n{result['device']}, {n / 1e6:.1f}M parameters, median of {args.iters} steps\n")

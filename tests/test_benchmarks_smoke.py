@@ -51,11 +51,16 @@ def test_lm_shapes_full_size_and_specs():
 def test_update_speed_schema(tmp_path):
     out = tmp_path / "update_speed.json"
     argv = [*TINY, "--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "2"]
+    argv += ["--profile_steps", "1"]
     written = _read(out, update_speed.main([*argv, "--out", str(out)]))
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == {"copy", "adamw", "sonew_tridiag"}
     for row in rows.values():
         assert all(_finite(row[k]) for k in ("ms", "ratio_vs_adamw", "gbps", "floor_ratio"))
+    # Traced, but the CPU trace has no device lane: 0 ms, so no ratio (profile_update's parser
+    # test reads a device lane); copy is never traced.
+    assert rows["adamw"]["busy_ms"] == 0 and rows["adamw"]["busy_ratio_vs_adamw"] is None
+    assert rows["copy"]["busy_ms"] is None
     assert rows["adamw"]["ratio_vs_adamw"] == 1.0
     assert abs(rows["adamw"]["bytes_per_param"] - 28) < 0.01
     assert abs(rows["sonew_tridiag"]["bytes_per_param"] - 36) < 0.1
