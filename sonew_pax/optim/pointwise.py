@@ -82,6 +82,36 @@ def diagonal_step(raw: Raw, corrections, hyper: Hyper) -> Step:
     return Step(adam_direction(m, d, corrections, hyper), u, m, d, None)
 
 
+class Vertex(NamedTuple):
+    """Band 1's per-position quantities: ``g``, the new moments ``(m, d)``, ``S = (d_hat +
+    eps)^{-1/2}`` and ``w = S m_hat``."""
+
+    g: jax.Array
+    m: jax.Array
+    d: jax.Array
+    scale: jax.Array
+    w: jax.Array
+
+
+def vertex(raw: Raw, corrections, hyper: Hyper) -> Vertex:
+    """The :class:`Vertex` of one position from its raw values."""
+    c1, c2 = _factors(corrections)
+    m, d = moments(raw, hyper)
+    scale = solve.unit_scale(d * c2 + hyper.eps)
+    return Vertex(raw.g, m, d, scale, scale * (m * c1))
+
+
+def edge(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
+    """The edge ``(a, b)`` of consecutive chain positions: ``(e, l, z)`` with ``e`` its new
+    statistic, ``(l, D)`` Theorem 1's ``L_{b,a}`` and ``D_aa`` on its correlation
+    (``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the factor's ``D L^T w``
+    at ``a``."""
+    _, c2 = _factors(corrections)
+    e = hyper.b2 * e_old + (1 - hyper.b2) * a.g * b.g
+    lower, diag = solve.tridiagonal_inverse(e * c2 * a.scale * b.scale, hyper.gamma)
+    return e, lower[0], diag * (a.w + lower[0] * b.w)
+
+
 def tridiagonal_step(
     at: dict[int, Raw], e_at: jax.Array, e_before: jax.Array, corrections, hyper: Hyper
 ) -> Step:
@@ -91,21 +121,13 @@ def tridiagonal_step(
     ``w = s m_hat``, ``s = (d_hat + eps)^{-1/2}`` and ``(l, D)`` from Theorem 1
     (``solve.tridiagonal_inverse``) on the correlations of the edges ``(j-1, j)`` and ``(j, j+1)``:
     the same math as ``solve.apply(solve.factorize(...))``, with every per-vertex and per-edge
-    quantity recomputed from the raw neighbours instead of read from materialised ``S``, ``L``,
-    ``D`` arrays. ``e_at`` and ``e_before`` are the stored statistics of edges ``(j, j+1)`` and
-    ``(j-1, j)`` (zero past the chain's ends, as every neighbour value is).
+    quantity (:func:`vertex`, :func:`edge`) recomputed from the raw neighbours instead of read
+    from materialised ``S``, ``L``, ``D`` arrays. ``e_at`` and ``e_before`` are the stored
+    statistics of edges ``(j, j+1)`` and ``(j-1, j)`` (zero past the chain's ends, as every
+    neighbour value is).
     """
-    c1, c2 = _factors(corrections)
-    moment = {k: moments(r, hyper) for k, r in at.items()}
-    scale = {k: solve.unit_scale(d * c2 + hyper.eps) for k, (_, d) in moment.items()}
-    w = {k: scale[k] * (m * c1) for k, (m, _) in moment.items()}
-    g = {k: r.g for k, r in at.items()}
-    e_next = hyper.b2 * e_at + (1 - hyper.b2) * g[0] * g[1]  # edge (j, j+1)
-    e_prev = hyper.b2 * e_before + (1 - hyper.b2) * g[-1] * g[0]  # edge (j-1, j)
-    lower, diag = solve.tridiagonal_inverse(e_next * c2 * scale[0] * scale[1], hyper.gamma)
-    lower_p, diag_p = solve.tridiagonal_inverse(e_prev * c2 * scale[-1] * scale[0], hyper.gamma)
-    z = diag * (w[0] + lower[0] * w[1])
-    z_prev = diag_p * (w[-1] + lower_p[0] * w[0])
-    u = scale[0] * (z + lower_p[0] * z_prev)
-    m, d = moment[0]
-    return Step(adam_direction(m, d, corrections, hyper), u, m, d, e_next)
+    v = {k: vertex(r, corrections, hyper) for k, r in at.items()}
+    e_next, _, z = edge(e_at, v[0], v[1], corrections, hyper)
+    _, lower_prev, z_prev = edge(e_before, v[-1], v[0], corrections, hyper)
+    u = v[0].scale * (z + lower_prev * z_prev)
+    return Step(adam_direction(v[0].m, v[0].d, corrections, hyper), u, v[0].m, v[0].d, e_next)
