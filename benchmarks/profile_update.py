@@ -22,6 +22,7 @@ Usage: ``python benchmarks/profile_update.py --optimizers adamw,sonew_tridiag_pa
 """
 
 import argparse
+import contextlib
 import gzip
 import json
 import re
@@ -120,6 +121,30 @@ def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:
     return {"optimizer": name, **summary}
 
 
+def _kernels(text: str) -> list[str]:
+    """``--band1_kernels``: a comma list of ``tile`` and ``scan``."""
+    kernels = [k for k in text.split(",") if k]
+    if not kernels or set(kernels) - {"tile", "scan"}:
+        raise argparse.ArgumentTypeError(f"expected tile and/or scan, got {text!r}")
+    return kernels
+
+
+@contextlib.contextmanager
+def band1(kernel: str, tile: tuple[int, int, int] | None):
+    """Within: band-1 updates built run ``kernel`` (``fused.BAND1_KERNEL``) with default tile
+    ``tile`` (when given); restored after."""
+    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE
+    fused.BAND1_KERNEL = kernel
+    if tile and kernel == "scan":
+        fused.SCAN_TILE = tile
+    elif tile:
+        fused.TILES[1] = tile
+    try:
+        yield
+    finally:
+        fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE = saved
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument(
@@ -130,11 +155,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_timing_args(p, warmup=3, iters=5)
     lm_shapes.add_args(p)
     p.add_argument(
+        "--band1_kernels",
+        type=_kernels,
+        help="tile,scan: profile every optimizer once per band-1 kernel (fused.BAND1_KERNEL; "
+        "rows named optimizer@kernel)",
+    )
+    p.add_argument(
         "--band1_tiles",
         type=kernel_speed.parse_tiles,
-        help="RxCxW,...: profile every optimizer once per band-1 kernel tile (fused.TILES[1] set "
-        "to it; rows named optimizer@RxCxW), to tune the tile on the whole update, where "
-        "kernel_speed.py's one tensor stays partly in L2",
+        help="RxCxW,...: profile every optimizer once per band-1 kernel tile (the kernel's "
+        "default set to it; rows named optimizer@RxCxW, or optimizer@kernel:RxCxW), to tune "
+        "the tile on the whole update, where kernel_speed.py's one tensor stays partly in L2",
     )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
@@ -159,12 +190,18 @@ def main(argv=None) -> dict:
         "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers")},
         "rows": [],
     }
-    default_tile = fused.TILES[1]
-    for tile in args.band1_tiles or [None]:
-        fused.TILES[1] = tile or default_tile
+    settings = [
+        (kernel, tile)
+        for kernel in args.band1_kernels or [fused.BAND1_KERNEL]
+        for tile in args.band1_tiles or [None]
+    ]
+    for kernel, tile in settings:
+        suffix = [kernel] if args.band1_kernels else []
+        suffix += ["x".join(map(str, tile))] if tile else []
         for name in names:
-            label = f"{name}@{'x'.join(map(str, tile))}" if tile else name
-            row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
+            label = f"{name}@{':'.join(suffix)}" if suffix else name
+            with band1(kernel, tile):
+                row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
             row["optimizer"] = label
             result["rows"].append(row)
             print(
@@ -173,7 +210,6 @@ def main(argv=None) -> dict:
             )
             print(common.format_table(row["families"][: args.top], FAMILY_COLUMNS))
             common.write_json(args.out, result)
-    fused.TILES[1] = default_tile
     print(f"\n{result['device']}, per step ({args.iters} traced), traces in {trace_dir}\n")
     print(common.format_table(result["rows"], COLUMNS))
     return result

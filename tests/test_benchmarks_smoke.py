@@ -236,3 +236,19 @@ def test_profile_update_band1_tiles(tmp_path):
     ]
     assert list((tmp_path / "traces" / "sonew_tridiag@8x32x2").glob("**/perfetto_trace.json.gz"))
     assert fused.TILES[1] == default
+
+
+def test_profile_update_band1_kernels(tmp_path):
+    """Rows per (kernel, tile); the kernel and both default tiles are restored."""
+    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE
+    argv = ["--optimizers", "sonew_tridiag_pallas", "--warmup", "0", "--iters", "1", *TINY]
+    argv += ["--band1_kernels", "tile,scan", "--band1_tiles", "8x64x2"]
+    out = tmp_path / "p.json"
+    written = _read(out, profile_update.main([*argv, "--out", str(out)]))
+    assert [row["optimizer"] for row in written["rows"]] == [
+        "sonew_tridiag_pallas@tile:8x64x2",
+        "sonew_tridiag_pallas@scan:8x64x2",
+    ]
+    assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE) == saved
+    with pytest.raises(SystemExit):
+        profile_update.parse_args(["--band1_kernels", "tile,rows"])

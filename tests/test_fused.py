@@ -71,9 +71,23 @@ def test_chain_neighbour_is_the_fortran_order_successor(shape):
         np.testing.assert_array_equal(np.asarray(got)[expect_exists], order[target[expect_exists]])
 
 
-@pytest.mark.parametrize("band", [0, 1])
+# Band 0 and each band-1 kernel; the scan with 64-column blocks (several per test tensor).
+KERNELS = pytest.mark.parametrize("band, kernel", [(0, "tile"), (1, "tile"), (1, "scan")])
+
+
+@pytest.fixture
+def use_kernel(monkeypatch):
+    def use(kernel: str) -> None:
+        monkeypatch.setattr(fused, "BAND1_KERNEL", kernel)
+        monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
+
+    return use
+
+
+@KERNELS
 @pytest.mark.parametrize("graft", ["adam", "none"])
-def test_kernel_equals_xla(x64, band, graft):
+def test_kernel_equals_xla(x64, band, kernel, graft, use_kernel):
+    use_kernel(kernel)
     shapes = {**SHAPES, **SHAPES_1D}
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
@@ -83,11 +97,12 @@ def test_kernel_equals_xla(x64, band, graft):
     _assert_close(expect, got, 1e-11)
 
 
-@pytest.mark.parametrize("band", [0, 1])
-def test_kernel_with_bf16_storage_and_float32(band):
+@KERNELS
+def test_kernel_with_bf16_storage_and_float32(band, kernel, use_kernel):
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
+    use_kernel(kernel)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
@@ -221,6 +236,15 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
     assert len({id(h.buffer) for h in halos}) == 5
 
 
+def test_scan_kernel_rejects_columns_fewer_than_lanes(monkeypatch):
+    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
+    shape = (40, 64)
+    m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
+    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    with pytest.raises(ValueError, match="64 columns for 32 x 4 lanes"):
+        fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 64, 4))
+
+
 def test_leaf_update_rejects_halos_of_another_tile():
     shape = (40, 8)
     m, d = jnp.zeros(shape), jnp.ones(shape)
@@ -231,13 +255,14 @@ def test_leaf_update_rejects_halos_of_another_tile():
         fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
 
 
-@pytest.mark.parametrize("band", [0, 1])
-def test_kernels_lower_to_triton_for_cuda(band, monkeypatch):
+@KERNELS
+def test_kernels_lower_to_triton_for_cuda(band, kernel, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
     whole update (the band-1 halo gather too) picks the Triton backend, not Mosaic GPU."""
     from jax import export
 
+    use_kernel(kernel)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
 
@@ -252,6 +277,7 @@ def test_kernels_lower_to_triton_for_cuda(band, monkeypatch):
     exported = export.export(jax.jit(update), platforms=("cuda",), disabled_checks=[check])
     text = exported(params, state, params).mlir_module()
     kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
-    expected = {f"sonew_band{band}_step"} | ({"sonew_halo"} if band else set())
+    step = "scan" if kernel == "scan" else "step"
+    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band else set())
     assert {name for _, name in kernels} == expected
     assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}

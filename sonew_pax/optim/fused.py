@@ -15,6 +15,10 @@ update the donated state in place: it copies every state array once more. Here:
   input), and writes the direction ``u``, per tile the partial norms of Adam's direction and of
   ``u`` as ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
   ``chain.norms``), and the new state **in place**;
+* band 1 has a second step kernel, **the scan kernel** (``BAND1_KERNEL = "scan"``), not yet
+  timed on a GPU: a program walks down its ``rows`` rows, one lane per column, carrying the
+  previous row's per-position quantities (``pointwise.vertex``), so it reads each array once and
+  computes each vertex and edge once where the tile kernel reads three rows and recomputes;
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, one reduction for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``.
@@ -49,9 +53,19 @@ from sonew_pax.optim.chain import ChainLayout
 # 32 x 32, but that tensor's state stays partly in L2; in the whole LM-set update 32 x 32 is
 # slower: results/profile_update_tile32x32.json against results/profile_update.json.)
 TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
+# Band 1's kernel: "tile" (``_step_kernel``, the default) or "scan" (``_scan_kernel``, which
+# reads every array once; not yet timed on a GPU: ``benchmarks/profile_update.py
+# --band1_kernel scan``), and the scan's default (rows, cols, num_warps).
+BAND1_KERNEL = "tile"
+SCAN_TILE = (16, 256, 2)
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
+
+
+def default_tile(band: int) -> tuple[int, int, int]:
+    """The (rows, cols, num_warps) a band's kernel runs with unless told (``BAND1_KERNEL``)."""
+    return SCAN_TILE if band == 1 and BAND1_KERNEL == "scan" else TILES[band]
 
 
 def supported(layout: ChainLayout, band: int) -> bool:
@@ -141,9 +155,9 @@ def gather_halos(
 
     Arrays of one view shape and dtype share launches (up to ``_HALO_GROUP`` arrays each), so a
     model's update adds a few small kernels, not one per tensor. ``rows`` is the step kernel's
-    row chunk (default ``TILES[1]``'s). Returns one :class:`Halo` per array, in order.
+    row chunk (default :func:`default_tile`'s). Returns one :class:`Halo` per array, in order.
     """
-    rows = rows or TILES[1][0]
+    rows = rows or default_tile(1)[0]
     groups: dict[tuple, list[int]] = {}
     for k, x in enumerate(arrays):
         groups.setdefault((tile_view(x.shape), jnp.dtype(x.dtype)), []).append(k)
@@ -171,6 +185,147 @@ def gather_halos(
     return halos
 
 
+def _across_chunks(i, c, shape: tuple[int, ...], rows: int, step: int) -> tuple:
+    """The chain neighbours of row chunk ``i``'s first row (``step=-1``, above) or last row
+    (``step=1``, below) in columns ``c``: ``(offset, exists, halo)``.
+
+    ``offset`` is the flat offset of the neighbour: the previous / next chunk's edge row or, at
+    the tensor's top and bottom, the wrap into the previous / next column in Fortran order
+    (:func:`chain_neighbour`, on ``c`` alone). That row is another chunk's last (above) or first
+    (below) row; ``halo`` is its place in the halo rows (:class:`Halo`, relative to the array's
+    start), which hold the state as it was before this step.
+    """
+    num_rows, num_cols = tile_view(shape)
+    first, last = _chunk_rows(i, rows, num_rows)
+    in_cols = c < num_cols
+    if step < 0:
+        wrap, has_wrap = chain_neighbour(c, shape, -1)
+        offset = jnp.where(i == 0, wrap, (first - 1) * num_cols + c)
+        exists = in_cols & ((i > 0) | has_wrap)
+    else:
+        wrap, has_wrap = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
+        offset = jnp.where(last == num_rows - 1, wrap, (last + 1) * num_cols + c)
+        exists = in_cols & ((last < num_rows - 1) | has_wrap)
+    slot = 2 * (offset // num_cols // rows) + (1 if step < 0 else 0)
+    return offset, exists, slot * num_cols + offset % num_cols
+
+
+def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
+    """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input."""
+    values = {name: scalars_ref[k] for k, name in enumerate(_SCALARS)}
+    hyper = pointwise.Hyper(
+        **{k: values[k] for k in _SCALARS[:5]}, graft=graft, precondition_1d=True
+    )
+    return hyper, (values["bc1"], values["bc2"])
+
+
+def _write_parts(parts_ref, i, j, pairs) -> None:
+    """Program ``(i, j)``'s norm pairs of Adam's direction and of ``u`` from per-lane pairs
+    ``(scale, sum (x / scale)^2)``: rescaled to the largest scale and added (as
+    ``chain.merge_norm_parts``)."""
+    for k, (scales, sums) in enumerate(pairs):
+        top = jnp.max(scales)
+        ratio = scales * (1 / jnp.where(top > 0, top, 1))
+        parts_ref[i, j, 2 * k] = top
+        parts_ref[i, j, 2 * k + 1] = jnp.sum(sums * ratio * ratio)
+
+
+def _running_pair(pair, x, valid):
+    """The per-lane pair ``(scale, sum (x / scale)^2)`` with ``|x|`` added where ``valid``."""
+    scale, total = pair
+    x = jnp.where(valid, jnp.abs(x), 0)
+    new = jnp.maximum(scale, x)
+    inverse = 1 / jnp.where(new > 0, new, 1)
+    ratio, scaled = scale * inverse, x * inverse
+    return new, total * ratio * ratio + scaled * scaled
+
+
+def _scan_kernel(
+    scalars_ref,
+    g_ref,
+    m_ref,
+    d_ref,
+    e_ref,
+    halo_m,
+    halo_d,
+    halo_e,
+    starts_ref,
+    u_ref,
+    m_out,
+    d_out,
+    e_out,
+    parts_ref,
+    *,
+    shape,
+    graft,
+    rows,
+    cols,
+):
+    """Band 1 walking down a ``rows x cols`` block of the view one row at a time.
+
+    Each lane owns a column and carries the previous row's :func:`pointwise.vertex` and the
+    ``l z`` of the edge above, so every array is read once and every vertex and edge computed
+    once (the tile kernel reads each array three times and recomputes its neighbours). A lane
+    writes only rows it has read, so no barrier is needed (``cols`` must cover the warps'
+    lanes: no lane's column is another's). Results equal the tile kernel's up to the order of
+    the norms' sums.
+    """
+    num_rows, num_cols = tile_view(shape)
+    i, j = pl.program_id(0), pl.program_id(1)
+    c = j * cols + jnp.arange(cols, dtype=jnp.int32)
+    in_cols = c < num_cols
+    hyper, corrections = _numbers(scalars_ref, graft)
+    compute = d_ref.dtype
+    first, last = _chunk_rows(i, rows, num_rows)
+    above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
+    below, below_ok, halo_below = _across_chunks(i, c, shape, rows, 1)
+    m0, d0, e0 = (starts_ref[k] for k in range(3))
+
+    def read(ref, at, mask):
+        return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
+
+    def row(r, mask) -> pointwise.Raw:
+        at = r * num_cols + c
+        return pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
+
+    def halo_row(at, halo, mask) -> pointwise.Raw:
+        return pointwise.Raw(
+            read(g_ref, at, mask), read(halo_m, m0 + halo, mask), read(halo_d, d0 + halo, mask)
+        )
+
+    def vertex(raw):
+        return pointwise.vertex(raw, corrections, hyper)
+
+    top = vertex(row(first, in_cols))
+    e_above = read(halo_e, e0 + halo_above, above_ok)
+    _, lower, z = pointwise.edge(
+        e_above, vertex(halo_row(above, halo_above, above_ok)), top, corrections, hyper
+    )
+    below_raw = halo_row(below, halo_below, below_ok)
+    zero = jnp.zeros((cols,), compute)
+
+    def body(k, carry):
+        here, e_here, lz_above, pairs = carry
+        r = first + k
+        valid, inner = in_cols & (r <= last), in_cols & (r < last)
+        pairs_below = zip(below_raw, row(r + 1, inner), strict=True)
+        next_raw = pointwise.Raw(*(jnp.where(r == last, b, x) for b, x in pairs_below))
+        after = vertex(next_raw)
+        e_new, lower, z = pointwise.edge(e_here, here, after, corrections, hyper)
+        u = here.scale * (z + lz_above)
+        adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
+        at = r * num_cols + c
+        plgpu.store(u_ref.at[at], u.astype(u_ref.dtype), mask=valid)
+        for ref, x in ((m_out, here.m), (d_out, here.d), (e_out, e_new)):
+            plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
+        pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
+        return after, read(e_ref, at + num_cols, inner), lower * z, pairs
+
+    init = (top, read(e_ref, first * num_cols + c, in_cols), lower * z, ((zero, zero),) * 2)
+    *_, pairs = jax.lax.fori_loop(0, rows, body, init)
+    _write_parts(parts_ref, i, j, pairs)
+
+
 def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
     if band:
@@ -185,11 +340,7 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     in_cols = c < num_cols
     valid = (r < num_rows) & in_cols
     offset = r * num_cols + c
-    values = {name: scalars_ref[k] for k, name in enumerate(_SCALARS)}
-    hyper = pointwise.Hyper(
-        **{k: values[k] for k in _SCALARS[:5]}, graft=graft, precondition_1d=True
-    )
-    corrections = (values["bc1"], values["bc2"])
+    hyper, corrections = _numbers(scalars_ref, graft)
     compute = d_ref.dtype
 
     def read(ref, at, mask):
@@ -203,20 +354,9 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
     else:
-        # The chain neighbours of the chunk's first row (above) and last row (below), as flat
-        # offsets: the next chunk's edge row or, at the tensor's top and bottom, the wrap into
-        # the previous / next column in Fortran order (per column, so computed on ``c`` alone).
         first, last = _chunk_rows(i, rows, num_rows)
-        wrap_above, has_above = chain_neighbour(c, shape, -1)
-        wrap_below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
-        above = jnp.where(i == 0, wrap_above, (first - 1) * num_cols + c)
-        below = jnp.where(last == num_rows - 1, wrap_below, (last + 1) * num_cols + c)
-        above_ok = in_cols & ((i > 0) | has_above)
-        below_ok = in_cols & ((last < num_rows - 1) | has_below)
-        # Those rows are other chunks' last (above) and first (below) rows: their places in the
-        # halo rows (``Halo``), which hold the state as it was before this step.
-        halo_above = (2 * (above // num_cols // rows) + 1) * num_cols + above % num_cols
-        halo_below = 2 * (below // num_cols // rows) * num_cols + below % num_cols
+        above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
+        below, below_ok, halo_below = _across_chunks(i, c, shape, rows, 1)
 
         def up(ref, halo_ref, at):
             """``ref`` one row up; at the chunk's first row from ``halo_ref[at]``."""
@@ -254,12 +394,9 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     plgpu.store(u_ref.at[offset], step.u.astype(u_ref.dtype), mask=valid)
     for ref, name in outputs:
         plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
-    for k, x in enumerate((step.adam, step.u)):
-        magnitude = jnp.where(valid, jnp.abs(x), 0)
-        top_value = jnp.max(magnitude)
-        scaled = magnitude * (1 / jnp.where(top_value > 0, top_value, 1))
-        parts_ref[i, j, 2 * k] = top_value
-        parts_ref[i, j, 2 * k + 1] = jnp.sum(scaled * scaled)
+    ones = jnp.ones(valid.shape, compute)
+    pairs = [(jnp.where(valid, jnp.abs(x), 0), ones) for x in (step.adam, step.u)]
+    _write_parts(parts_ref, i, j, pairs)
 
 
 def leaf_update(
@@ -278,8 +415,9 @@ def leaf_update(
 
     ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``tile`` is
     ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
-    (:func:`tile_view`) with ``num_warps`` warps; default ``TILES[band]``; a tuning knob
-    (``benchmarks/kernel_speed.py``). Returns ``(u, m, d, e, parts)``: the ungrafted direction in
+    (:func:`tile_view`) with ``num_warps`` warps; default :func:`default_tile`; a tuning knob
+    (``benchmarks/kernel_speed.py``, ``benchmarks/profile_update.py``). Band 1 runs
+    ``BAND1_KERNEL``. Returns ``(u, m, d, e, parts)``: the ungrafted direction in
     ``d``'s dtype, the new state in the stored dtypes, and per tile the norm pairs ``(max |x|,
     sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(tiles, 4)`` rows ``(scale_adam,
     sum_adam, scale_u, sum_u)`` (``None`` unless ``hyper.graft == "adam"``); see
@@ -289,7 +427,10 @@ def leaf_update(
     gather those of a model's tensors in a few launches); default: gathered here.
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
-    rows, cols, num_warps = tile or TILES[band]
+    rows, cols, num_warps = tile or default_tile(band)
+    scan = band == 1 and BAND1_KERNEL == "scan"
+    if scan and cols < 32 * num_warps:
+        raise ValueError(f"scan kernel: {cols} columns for 32 x {num_warps} lanes (one each)")
     shape, size, compute = g.shape, g.size, d.dtype
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
@@ -308,16 +449,20 @@ def leaf_update(
     outputs = [jax.ShapeDtypeStruct((size,), compute)]
     outputs += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
-    static = dict(shape=shape, band=band, graft=hyper.graft, rows=rows, cols=cols)
+    static = dict(shape=shape, graft=hyper.graft, rows=rows, cols=cols)
+    if scan:
+        kernel = _bind(_scan_kernel, "sonew_scan", **static)
+    else:
+        kernel = _bind(_step_kernel, "sonew_step", **static, band=band, interpret=interpret)
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
     step = pl.pallas_call(
-        _bind(_step_kernel, "sonew_step", **static, interpret=interpret),
+        kernel,
         grid=grid,
         out_shape=outputs,
         input_output_aliases={2 + k: 1 + k for k in range(len(state))},
         interpret=interpret,
         compiler_params=params,
-        name=f"sonew_band{band}_step",
+        name=f"sonew_band{band}_{'scan' if scan else 'step'}",
     )
     u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
