@@ -98,10 +98,13 @@ def read_trace(directory: Path) -> dict:
         return json.load(f)
 
 
-def trace_steps(step, carry, iters: int, directory: Path) -> tuple[dict, object]:
-    """``iters`` blocking calls ``carry = step(carry)`` under the profiler (trace kept in
-    ``directory``): returns ``({"wall_ms", "idle_ms", "busy_ms", "kernels", "families"}, carry)``,
-    all per step."""
+def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple[dict, object]:
+    """``iters`` blocking calls ``carry = step(carry)`` under the profiler (the trace kept in
+    ``directory``; without one, in a temporary directory removed after reading): returns
+    ``({"wall_ms", "idle_ms", "busy_ms", "kernels", "families"}, carry)``, all per step."""
+    if directory is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            return trace_steps(step, carry, iters, Path(tmp))
     with jax.profiler.trace(str(directory), create_perfetto_trace=True):
         start = time.perf_counter()
         for _ in range(iters):

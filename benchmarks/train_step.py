@@ -150,10 +150,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         )
         profile = {}
         if args.profile_steps:
-            with tempfile.TemporaryDirectory() as tmp:
-                summary, carry = profile_update.trace_steps(
-                    lambda c: trainer.train_step(c[0], batch), carry, args.profile_steps, Path(tmp)
-                )
+            summary, carry = profile_update.trace_steps(
+                lambda c: trainer.train_step(c[0], batch), carry, args.profile_steps
+            )
             profile = {
                 "busy_ms": summary["busy_ms"],
                 "kernels": summary["kernels"],
