@@ -40,10 +40,29 @@ def add_model_args(
         parser.add_argument("--seq_len", type=int, default=seq_len, help="tokens per sequence")
 
 
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer ``>= minimum``, else a usage error that says so."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int) -> None:
     """Adds ``--warmup`` and ``--iters`` (untimed, then timed steps) with a script's defaults."""
-    parser.add_argument("--warmup", type=int, default=warmup, help="untimed warm-up steps")
-    parser.add_argument("--iters", type=int, default=iters, help="timed steps (median reported)")
+    parser.add_argument(
+        "--warmup", type=int_at_least(0), default=warmup, help="untimed warm-up steps"
+    )
+    parser.add_argument(
+        "--iters", type=int_at_least(1), default=iters, help="timed steps (median reported)"
+    )
 
 
 def device_name() -> str:

@@ -250,7 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_timing_args(p, warmup=3, iters=20)
     p.add_argument(
         "--profile_steps",
-        type=int,
+        type=common.int_at_least(0),
         default=0,
         help="after timing, trace this many steps with jax.profiler and add the device's kernel "
         f"time per step (busy_ms), kernel count and top {PROFILE_FAMILIES} kernel families to "

@@ -212,7 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_timing_args(p, warmup=5, iters=50)
     p.add_argument(
         "--profile_steps",
-        type=int,
+        type=common.int_at_least(0),
         default=0,
         help="after timing, trace this many steps per optimizer and report the device's kernel "
         "time per step (busy_ms) and its ratio to AdamW's",

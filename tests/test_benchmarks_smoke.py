@@ -252,3 +252,12 @@ def test_profile_update_band1_kernels(tmp_path):
     assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE) == saved
     with pytest.raises(SystemExit):
         profile_update.parse_args(["--band1_kernels", "tile,rows"])
+
+
+def test_step_counts_must_be_whole_and_large_enough():
+    for argv in (["--iters", "0"], ["--warmup", "-1"], ["--profile_steps", "-2"], ["--iters", "x"]):
+        with pytest.raises(SystemExit):
+            update_speed.parse_args(argv)
+    with pytest.raises(SystemExit):
+        train_step.parse_args(["--profile_steps", "-1"])
+    assert update_speed.parse_args(["--warmup", "0", "--profile_steps", "0"]).warmup == 0
