@@ -20,9 +20,10 @@ from sonew_pax.optim import fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
-# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 16 x 64 for band 1) with ragged
-# last ones (and a last row chunk of one row), so row chunks read each other's edge rows from the
-# halo copies; views with one row or one column; size 1.
+# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0; for band 1 the scan's 64-column
+# blocks of 8 or 16 rows, ``BANDS``) with ragged last ones (and a last row chunk of one row), so
+# row chunks read each other's edge rows from the halo copies; views with one row or one column;
+# size 1.
 SHAPES = {
     "mat": (70, 130),
     "col": (7, 1),
@@ -71,23 +72,25 @@ def test_chain_neighbour_is_the_fortran_order_successor(shape):
         np.testing.assert_array_equal(np.asarray(got)[expect_exists], order[target[expect_exists]])
 
 
-# Band 0 and each band-1 kernel; the scan with 64-column blocks (several per test tensor).
-KERNELS = pytest.mark.parametrize("band, kernel", [(0, "tile"), (1, "tile"), (1, "scan")])
+# Band 0, and band 1's scan in 64-column blocks (several per test tensor) walking 8 rows (what
+# ``default_tile`` gives tensors this small) or 16 (as on the LM set's large tensors).
+BANDS = pytest.mark.parametrize("band, walk", [(0, None), (1, 8), (1, 16)])
 
 
 @pytest.fixture
-def use_kernel(monkeypatch):
-    def use(kernel: str) -> None:
-        monkeypatch.setattr(fused, "BAND1_KERNEL", kernel)
-        monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
+def scan_walk(monkeypatch):
+    def use(walk: int | None) -> None:
+        monkeypatch.setattr(fused, "TILES", {**fused.TILES, 1: (16, 64, 2)})
+        if walk:
+            monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", walk)
 
     return use
 
 
-@KERNELS
+@BANDS
 @pytest.mark.parametrize("graft", ["adam", "none"])
-def test_kernel_equals_xla(x64, band, kernel, graft, use_kernel):
-    use_kernel(kernel)
+def test_kernel_equals_xla(x64, band, walk, graft, scan_walk):
+    scan_walk(walk)
     shapes = {**SHAPES, **SHAPES_1D}
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
@@ -97,12 +100,12 @@ def test_kernel_equals_xla(x64, band, kernel, graft, use_kernel):
     _assert_close(expect, got, 1e-11)
 
 
-@KERNELS
-def test_kernel_with_bf16_storage_and_float32(band, kernel, use_kernel):
+@BANDS
+def test_kernel_with_bf16_storage_and_float32(band, walk, scan_walk):
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
-    use_kernel(kernel)
+    scan_walk(walk)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
@@ -236,8 +239,7 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
     assert len({id(h.buffer) for h in halos}) == 5
 
 
-def test_scan_kernel_rejects_columns_fewer_than_lanes(monkeypatch):
-    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
+def test_scan_kernel_rejects_columns_fewer_than_lanes():
     shape = (40, 64)
     m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
@@ -249,20 +251,46 @@ def test_leaf_update_rejects_halos_of_another_tile():
     shape = (40, 8)
     m, d = jnp.zeros(shape), jnp.ones(shape)
     e = jnp.zeros((1, *shape))
-    halos = tuple(fused.gather_halos([m, d, e[0]], rows=8, interpret=True))
+    halos = tuple(fused.gather_halos([m, d, e[0]], rows=16, interpret=True))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
-    with pytest.raises(ValueError, match=f"chunks of 8 rows, tile has {fused.TILES[1][0]}"):
+    with pytest.raises(ValueError, match="chunks of 16 rows, tile has 8"):
         fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
 
 
-@KERNELS
-def test_kernels_lower_to_triton_for_cuda(band, kernel, monkeypatch, use_kernel):
+def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
+    """The scan halves its rows (down to ``_SCAN_MIN_ROWS``) until a tensor has
+    ``_SCAN_PROGRAMS`` programs; band 0 keeps its tile; the halos follow the step's rows."""
+    monkeypatch.setattr(fused, "TILES", {0: (8, 128, 8), 1: (32, 256, 2)})
+    monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 1024)
+    monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", 8)
+    rows = {
+        (4096, 2048): 32,  # 128 x 8 programs of 32 rows
+        (1024, 4096): 16,  # 32 x 16 programs at 32 rows, 64 x 16 at 16
+        (4096, 1024): 16,
+        (1024, 1024): 8,  # 512 programs at 8 rows: the shortest walk
+        (16384, 4, 64): 16,  # the view is 16384 x 256
+        (70, 130): 8,
+        (100000,): 8,  # one row
+    }
+    for shape, expect in rows.items():
+        assert fused.default_tile(1, shape) == (expect, 256, 2), shape
+        assert fused.default_tile(0, shape) == (8, 128, 8)
+    arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
+    monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 64)  # the second has 8 x 5 programs at 8 rows
+    assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]
+    monkeypatch.setattr(
+        fused, "_SCAN_PROGRAMS", 16
+    )  # 2 x 8 programs at 32 rows; 1 x 3 for the first
+    assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 32]
+
+
+@pytest.mark.parametrize("band", [0, 1])
+def test_kernels_lower_to_triton_for_cuda(band, monkeypatch):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
     whole update (the band-1 halo gather too) picks the Triton backend, not Mosaic GPU."""
     from jax import export
 
-    use_kernel(kernel)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
 
@@ -277,7 +305,6 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, monkeypatch, use_kernel)
     exported = export.export(jax.jit(update), platforms=("cuda",), disabled_checks=[check])
     text = exported(params, state, params).mlir_module()
     kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
-    step = "scan" if kernel == "scan" else "step"
-    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band else set())
+    expected = {"sonew_band1_scan", "sonew_halo"} if band else {"sonew_band0_step"}
     assert {name for _, name in kernels} == expected
     assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}

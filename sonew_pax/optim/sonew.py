@@ -330,14 +330,15 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
-      implementation: ``"auto"`` (default): on GPU, the diag and tridiag step of every tensor
-        that lives whole on its device as Pallas (Triton) kernels that update the state in place
-        (``fused.py``; on an H200 tridiag's update takes 1.6-1.9x AdamW's time against 2.6x for
-        XLA, ``benchmarks/README.md``), when ``mesh`` is given or the process has one device
-        (without a mesh, several devices' arrays may be sharded by the caller's ``jit``, which
-        cannot partition a kernel); XLA elsewhere, for wider bands and for sharded tensors.
-        ``"xla"``: never the kernels; ``"pallas"``: the kernels wherever they apply, also off GPU
-        (in Pallas' interpreter: slow, for tests). Results agree to float rounding.
+      implementation: ``"auto"`` (default): on GPU, the diag and tridiag step of every tensor that
+        lives whole on its device as Pallas (Triton) kernels that update the state in place
+        (``fused.py``; on an H100 tridiag's update of the LM set takes 1.9x AdamW's device time and
+        1.7x its wall time, against 3.1x and 2.6x for XLA, ``benchmarks/README.md``), when ``mesh``
+        is given or the process has one device (without a mesh, several devices' arrays may be
+        sharded by the caller's ``jit``, which cannot partition a kernel); XLA elsewhere, for wider
+        bands and for sharded tensors. ``"xla"``: never the kernels; ``"pallas"``: the kernels
+        wherever they apply, also off GPU (in Pallas' interpreter: slow, for tests). Results agree
+        to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
         ratio ``||adam|| / ||u||`` of step ``t - 1`` (one scalar per tensor, kept in the state,
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
