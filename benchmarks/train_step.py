@@ -7,7 +7,9 @@ optimizer through `sonew_pax.optimizers.make_optimizer` (global-norm clipping, t
 as in training; weight decay 0.1 on matrices; constant learning rate), and the jitted,
 state-donating train step (forward, backward, update). Batches are random tokens, fixed across
 steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
-``block_until_ready``; the median is reported.
+``block_until_ready``; the median is reported. Then ``--iters`` steps run back to back, waited
+on once (``pipelined_ms``, their mean: the host dispatches each step while the device still runs
+the last, as ``Trainer.train`` does).
 
 Peak memory is ``memory_stats()["peak_bytes_in_use"]``, the largest over the mesh's devices (null
 where the backend has no memory stats, e.g. CPU). Each optimizer runs in a fresh subprocess by
@@ -16,7 +18,8 @@ tests).
 
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
-"peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "first_step_s", "tokens_per_s",
+"peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "pipelined_ms",
+"pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s",
 "loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch);
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
 ``kernels`` and the largest kernel ``families`` of ``N`` traced steps (``profile_update.py``).
@@ -56,6 +59,8 @@ COLUMNS = (
     "step_ms",
     "step_ms_min",
     "ratio_vs_adamw",
+    "pipelined_ms",
+    "pipelined_ratio_vs_adamw",
     "peak_memory_gib",
     "memory_ratio_vs_adamw",
     "first_step_s",
@@ -145,14 +150,15 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         carry = jax.block_until_ready(trainer.train_step(state, batch))
         first_step_s = time.perf_counter() - start
         first_loss = float(carry[1]["loss"])
-        median, times, carry = common.time_steps(
-            lambda c: trainer.train_step(c[0], batch), carry, args.warmup, args.iters
-        )
+
+        def step(carry):
+            return trainer.train_step(carry[0], batch)
+
+        median, times, carry = common.time_steps(step, carry, args.warmup, args.iters)
+        pipelined, carry = common.time_pipelined(step, carry, args.iters)
         profile = {}
         if args.profile_steps:
-            summary, carry = profile_update.trace_steps(
-                lambda c: trainer.train_step(c[0], batch), carry, args.profile_steps
-            )
+            summary, carry = profile_update.trace_steps(step, carry, args.profile_steps)
             profile = {
                 "busy_ms": summary["busy_ms"],
                 "kernels": summary["kernels"],
@@ -162,12 +168,13 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "optimizer": name,
         "step_ms": median,
         "step_ms_min": min(times),
+        "pipelined_ms": pipelined,
         "peak_memory_gib": peak_memory_gib(devices),
         "first_step_s": first_step_s,
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
         "loss": float(carry[1]["loss"]),
         "first_loss": first_loss,
-        "steps": 1 + args.warmup + args.iters + args.profile_steps,
+        "steps": 1 + args.warmup + 2 * args.iters + args.profile_steps,
         "mesh": f"{args.mesh_data}x{args.mesh_model}",
         "params": count_params(trainer.layout.abstract.params),
         "device": common.device_name(),
@@ -224,11 +231,15 @@ def run_isolated(name: str, args: argparse.Namespace) -> dict:
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
-    """Fills ``ratio_vs_adamw`` (step time) and ``memory_ratio_vs_adamw`` (peak memory)."""
+    """Fills ``ratio_vs_adamw`` (step time), ``pipelined_ratio_vs_adamw`` and
+    ``memory_ratio_vs_adamw`` (peak memory)."""
     adamw = next((r for r in rows if r["optimizer"] == "adamw" and "step_ms" in r), None)
     for row in rows:
         ok = adamw is not None and row.get("step_ms") is not None
         row["ratio_vs_adamw"] = row["step_ms"] / adamw["step_ms"] if ok else None
+        row["pipelined_ratio_vs_adamw"] = (
+            row["pipelined_ms"] / adamw["pipelined_ms"] if ok else None
+        )
         peaks = (row.get("peak_memory_gib"), adamw and adamw.get("peak_memory_gib"))
         row["memory_ratio_vs_adamw"] = peaks[0] / peaks[1] if all(peaks) else None
     return rows

@@ -3,7 +3,9 @@
 What is timed: ``params, state = update(params, state, grads)`` where ``update`` is
 ``optax.apply_updates(params, tx.update(grads, state, params))`` in one jitted function whose
 params and optimizer state are donated (updated in place). After ``--warmup`` untimed steps, each of
-``--iters`` steps is timed to ``block_until_ready``; the median is reported.
+``--iters`` steps is timed to ``block_until_ready``; the median is reported. Then ``--iters``
+steps run back to back, waited on once (``pipelined_ms``, their mean): the host dispatches each
+while the device still works on the last, as in a training loop.
 
 The update is memory-bound, so each optimizer's floor is the bytes it must move through device
 memory: read g, p and every state array, write p and every state array (fp32: AdamW 28 B/param,
@@ -19,8 +21,9 @@ device, which in a training loop the next step's dispatch overlaps.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
-"floor_ratio", "bytes_per_param", "ms_min", "busy_ms", "busy_ratio_vs_adamw"}]}`` (the last two
-null without ``--profile_steps`` and for ``copy``).
+"floor_ratio", "bytes_per_param", "ms_min", "pipelined_ms", "pipelined_ratio_vs_adamw", "busy_ms",
+"busy_ratio_vs_adamw"}]}`` (the pipelined pair null for ``copy``, the busy pair also without
+``--profile_steps``).
 
 SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
 same optimizer with the Pallas kernels of ``sonew_pax/optim/fused.py`` (``sonew``'s default on GPU,
@@ -77,6 +80,8 @@ COLUMNS = (
     "gbps",
     "bytes_per_param",
     "floor_ratio",
+    "pipelined_ms",
+    "pipelined_ratio_vs_adamw",
     "busy_ms",
     "busy_ratio_vs_adamw",
 )
@@ -130,11 +135,13 @@ def fresh_update(tx, shapes) -> tuple[Callable, tuple]:
 
 class Timing(NamedTuple):
     """One optimizer's update: median and fastest ms to ``block_until_ready``, the floor bytes,
+    the mean ms of steps dispatched back to back (``common.time_pipelined``; None for the copy)
     and the device's kernel ms per step (None unless profiled)."""
 
     ms: float
     ms_min: float
     bytes: int
+    pipelined_ms: float | None
     busy_ms: float | None
 
 
@@ -148,12 +155,13 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
         return update(*c, grads)
 
     median, times, carry = common.time_steps(step, carry, args.warmup, args.iters)
+    pipelined, carry = common.time_pipelined(step, carry, args.iters)
     busy = None
     if profile_steps:
         import profile_update  # local import: profile_update imports this module
 
         busy = profile_update.trace_steps(step, carry, profile_steps)[0]["busy_ms"]
-    return Timing(median, min(times), moved, busy)
+    return Timing(median, min(times), moved, pipelined, busy)
 
 
 def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, float]:
@@ -178,6 +186,7 @@ def make_row(name: str, timing: Timing, n: int) -> dict:
         "ms_min": timing.ms_min,
         "gbps": timing.bytes / timing.ms / 1e6,
         "bytes_per_param": timing.bytes / n,
+        "pipelined_ms": timing.pipelined_ms,
         "busy_ms": timing.busy_ms,
         "_bytes": timing.bytes,
     }
@@ -194,8 +203,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         moved = row.pop("_bytes")
         row["ratio_vs_adamw"] = row["ms"] / adamw["ms"] if adamw else None
         row["floor_ratio"] = row["ms"] / (moved / copy_gbps / 1e6)
-        busy = (row["busy_ms"], adamw and adamw["busy_ms"])
-        row["busy_ratio_vs_adamw"] = busy[0] / busy[1] if all(busy) else None
+        for key in ("pipelined", "busy"):
+            pair = (row[f"{key}_ms"], adamw and adamw[f"{key}_ms"])
+            row[f"{key}_ratio_vs_adamw"] = pair[0] / pair[1] if all(pair) else None
         out.append(row)
     return out
 
@@ -253,7 +263,7 @@ def main(argv=None) -> dict:
     n = lm_shapes.count(shapes)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
-    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None), n)]
+    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None), n)]
     for name in names:
         timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))

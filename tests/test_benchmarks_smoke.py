@@ -10,9 +10,11 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import common
 import kernel_speed
 import lm_shapes
 import profile_update
@@ -57,6 +59,10 @@ def test_update_speed_schema(tmp_path):
     assert set(rows) == {"copy", "adamw", "sonew_tridiag"}
     for row in rows.values():
         assert all(_finite(row[k]) for k in ("ms", "ratio_vs_adamw", "gbps", "floor_ratio"))
+    for name in ("adamw", "sonew_tridiag"):
+        assert _finite(rows[name]["pipelined_ms"]) and rows[name]["pipelined_ms"] > 0
+        assert _finite(rows[name]["pipelined_ratio_vs_adamw"])
+    assert rows["copy"]["pipelined_ms"] is None
     # Traced, but the CPU trace has no device lane: 0 ms, so no ratio (profile_update's parser
     # test reads a device lane); copy is never traced.
     assert rows["adamw"]["busy_ms"] == 0 and rows["adamw"]["busy_ratio_vs_adamw"] is None
@@ -118,9 +124,10 @@ def test_train_step_schema(tmp_path):
     assert [row["optimizer"] for row in written["rows"]] == ["adamw", "sonew_diag"]
     for row in written["rows"]:
         assert _finite(row["step_ms"]) and _finite(row["ratio_vs_adamw"]) and _finite(row["loss"])
+        assert _finite(row["pipelined_ms"]) and _finite(row["pipelined_ratio_vs_adamw"])
         assert "peak_memory_gib" in row  # None on CPU
         # The trace has no device lane on CPU: the plumbing only (profile_update's test reads one).
-        assert row["busy_ms"] == 0 and row["families"] == [] and row["steps"] == 3
+        assert row["busy_ms"] == 0 and row["families"] == [] and row["steps"] == 4
 
 
 def test_train_step_child_argv_round_trips(tmp_path):
@@ -247,3 +254,13 @@ def test_step_counts_must_be_whole_and_large_enough():
     with pytest.raises(SystemExit):
         train_step.parse_args(["--profile_steps", "-1"])
     assert update_speed.parse_args(["--warmup", "0", "--profile_steps", "0"]).warmup == 0
+
+
+def test_time_pipelined_dispatches_every_step_then_waits_once(monkeypatch):
+    """``iters`` calls, each fed the last one's result, one wait at the end (none in between)."""
+    waits = []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: waits.append(x) or real_wait(x))
+    ms, carry = common.time_pipelined(lambda c: c + 1, jnp.zeros(()), 5)
+    assert float(carry) == 5.0 and ms > 0
+    assert len(waits) == 2  # the carry before the first dispatch, and after the last
