@@ -73,24 +73,27 @@ def test_chain_neighbour_is_the_fortran_order_successor(shape):
 
 
 # Band 0, and band 1's scan in 64-column blocks (several per test tensor) walking 8 rows (what
-# ``default_tile`` gives tensors this small) or 16 (as on the LM set's large tensors).
-BANDS = pytest.mark.parametrize("band, walk", [(0, None), (1, 8), (1, 16)])
+# ``default_tile`` gives tensors this small) with the default ``SCAN_AHEAD``, or 16 (as on the LM
+# set's large tensors) loading 3 rows ahead (more than a ragged chunk has left).
+BANDS = pytest.mark.parametrize("band, walk, ahead", [(0, None, None), (1, 8, None), (1, 16, 3)])
 
 
 @pytest.fixture
 def scan_walk(monkeypatch):
-    def use(walk: int | None) -> None:
+    def use(walk: int | None, ahead: int | None) -> None:
         monkeypatch.setattr(fused, "TILES", {**fused.TILES, 1: (16, 64, 2)})
         if walk:
             monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", walk)
+        if ahead:
+            monkeypatch.setattr(fused, "SCAN_AHEAD", ahead)
 
     return use
 
 
 @BANDS
 @pytest.mark.parametrize("graft", ["adam", "none"])
-def test_kernel_equals_xla(x64, band, walk, graft, scan_walk):
-    scan_walk(walk)
+def test_kernel_equals_xla(x64, band, walk, ahead, graft, scan_walk):
+    scan_walk(walk, ahead)
     shapes = {**SHAPES, **SHAPES_1D}
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
@@ -101,11 +104,11 @@ def test_kernel_equals_xla(x64, band, walk, graft, scan_walk):
 
 
 @BANDS
-def test_kernel_with_bf16_storage_and_float32(band, walk, scan_walk):
+def test_kernel_with_bf16_storage_and_float32(band, walk, ahead, scan_walk):
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
-    scan_walk(walk)
+    scan_walk(walk, ahead)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)

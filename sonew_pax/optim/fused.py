@@ -59,6 +59,8 @@ from sonew_pax.optim.chain import ChainLayout
 TILES = {0: (8, 128, 8), 1: (16, 256, 2)}
 _SCAN_PROGRAMS = 1024
 _SCAN_MIN_ROWS = 8
+# Rows the scan loads ahead of the one it computes (their loads in flight while it computes).
+SCAN_AHEAD = 1
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
@@ -270,14 +272,16 @@ def _scan_kernel(
     graft,
     rows,
     cols,
+    ahead,
 ):
     """Band 1 walking down a ``rows x cols`` block of the view one row at a time.
 
     Each lane owns a column and carries the previous row's :func:`pointwise.vertex` and the
     ``l z`` of the edge above, so every array is read once and every vertex and edge computed
-    once, with ``pointwise.tridiagonal_step``'s float operations. Row ``r + 2`` is loaded while
-    row ``r`` is computed: loading each row as it came, the walk waited on memory (the LM set's
-    update took 18% more device time on an H100). A lane writes only rows it has read, so no
+    once, with ``pointwise.tridiagonal_step``'s float operations. Rows up to ``r + ahead + 1``
+    are loaded while row ``r`` is computed: loading each row as it came, the walk waited on
+    memory (the LM set's update took 18% more device time on an H100 than with ``ahead=1``). A
+    lane writes only rows it has read, so no
     barrier is needed (``cols`` must cover the warps' lanes: no lane's column is another's).
     """
     num_rows, num_cols = tile_view(shape)
@@ -294,9 +298,11 @@ def _scan_kernel(
     def read(ref, at, mask):
         return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
 
-    def row(r, mask) -> pointwise.Raw:
-        at = r * num_cols + c
-        return pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
+    def row(r) -> tuple[pointwise.Raw, jax.Array]:
+        """Row ``r``'s raw values and edge statistic (zeros past the chunk's last row)."""
+        at, mask = r * num_cols + c, in_cols & (r <= last)
+        raw = pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
+        return raw, read(e_ref, at, mask)
 
     def halo_row(at, halo, mask) -> pointwise.Raw:
         return pointwise.Raw(
@@ -306,7 +312,8 @@ def _scan_kernel(
     def vertex(raw):
         return pointwise.vertex(raw, corrections, hyper)
 
-    top = vertex(row(first, in_cols))
+    raw_first, e_first = row(first)
+    top = vertex(raw_first)
     e_above = read(halo_e, e0 + halo_above, above_ok)
     _, lower, z = pointwise.edge(
         e_above, vertex(halo_row(above, halo_above, above_ok)), top, corrections, hyper
@@ -315,15 +322,15 @@ def _scan_kernel(
     zero = jnp.zeros((cols,), compute)
 
     def body(k, carry):
-        here, e_here, lz_above, ahead, e_ahead, pairs = carry
+        here, e_here, lz_above, queue, pairs = carry
         r = first + k
         valid = in_cols & (r <= last)
-        # Row r + 2 is loaded now and used one iteration later, so its latency hides behind
-        # this row's arithmetic (the stores below may alias the loads: nothing reorders them).
-        later = in_cols & (r + 1 < last)
-        ahead_next, e_ahead_next = row(r + 2, later), read(e_ref, (r + 2) * num_cols + c, later)
+        # Rows r + 1 ... r + ahead were loaded in earlier iterations; row r + ahead + 1 is loaded
+        # now, so its latency hides behind arithmetic (the stores below may alias the loads:
+        # nothing reorders them).
+        (raw_next, e_next), queue = queue[0], (*queue[1:], row(r + ahead + 1))
         next_raw = pointwise.Raw(
-            *(jnp.where(r == last, b, x) for b, x in zip(below_raw, ahead, strict=True))
+            *(jnp.where(r == last, b, x) for b, x in zip(below_raw, raw_next, strict=True))
         )
         after = vertex(next_raw)
         e_new, lower, z = pointwise.edge(e_here, here, after, corrections, hyper)
@@ -334,13 +341,10 @@ def _scan_kernel(
         for ref, x in ((m_out, here.m), (d_out, here.d), (e_out, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
-        return after, e_ahead, lower * z, ahead_next, e_ahead_next, pairs
+        return after, e_next, lower * z, queue, pairs
 
-    second = in_cols & (first < last)
-    e_first, e_second = (
-        read(e_ref, (first + k) * num_cols + c, m) for k, m in ((0, in_cols), (1, second))
-    )
-    init = (top, e_first, lower * z, row(first + 1, second), e_second, ((zero, zero),) * 2)
+    queue = tuple(row(first + k) for k in range(1, ahead + 1))
+    init = (top, e_first, lower * z, queue, ((zero, zero),) * 2)
     *_, pairs = jax.lax.fori_loop(0, rows, body, init)
     _write_parts(parts_ref, i, j, pairs)
 
@@ -420,9 +424,10 @@ def leaf_update(
     outputs += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
     static = dict(shape=shape, graft=hyper.graft, rows=rows, cols=cols)
-    kernel, name = (
-        (_scan_kernel, "sonew_band1_scan") if band else (_diag_kernel, "sonew_band0_step")
-    )
+    if band:
+        kernel, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", SCAN_AHEAD
+    else:
+        kernel, name = _diag_kernel, "sonew_band0_step"
     params = None if interpret else plgpu.CompilerParams(num_warps=num_warps)
     step = pl.pallas_call(
         _bind(kernel, name, **static),
