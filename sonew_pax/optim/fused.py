@@ -59,7 +59,9 @@ from sonew_pax.optim.chain import ChainLayout
 TILES = {0: (8, 128, 8), 1: (16, 256, 2)}
 _SCAN_PROGRAMS = 1024
 _SCAN_MIN_ROWS = 8
-# Rows the scan loads ahead of the one it computes (their loads in flight while it computes).
+# Rows the scan loads ahead of the one it computes (their loads in flight while it computes). On
+# an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
+# (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
 SCAN_AHEAD = 1
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
