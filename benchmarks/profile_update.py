@@ -9,8 +9,8 @@ events back and reports, per step:
 * ``busy_ms``: the sum of kernel durations on the device, and ``kernels``: how many ran;
 * ``idle_ms`` = ``wall_ms - busy_ms``: launch gaps and host overhead;
 * ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
-  -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_scan``
-  and ``sonew_halo``), largest first.
+  -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_step``
+  ...), largest first.
 
 Output: a table per optimizer, and ``--out`` (default ``benchmarks/results/profile_update.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "wall_ms", "busy_ms", "idle_ms",
@@ -124,16 +124,28 @@ def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:
     return {"optimizer": name, **summary}
 
 
+def _kernels(text: str) -> list[str]:
+    """``--band1_kernels``: a comma list of ``tile`` and ``scan``."""
+    kernels = [k for k in text.split(",") if k]
+    if not kernels or set(kernels) - {"tile", "scan"}:
+        raise argparse.ArgumentTypeError(f"expected tile and/or scan, got {text!r}")
+    return kernels
+
+
 @contextlib.contextmanager
-def band1_tile(tile: tuple[int, int, int]):
-    """Within: band-1 updates built run the scan kernel with default tile ``tile`` (its rows the
-    longest walk: ``fused.default_tile`` shortens it on small tensors); restored after."""
-    saved = fused.TILES
-    fused.TILES = {**saved, 1: tile}
+def band1(kernel: str, tile: tuple[int, int, int] | None):
+    """Within: band-1 updates built run ``kernel`` (``fused.BAND1_KERNEL``) with default tile
+    ``tile`` (when given); restored after."""
+    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE
+    fused.BAND1_KERNEL = kernel
+    if tile and kernel == "scan":
+        fused.SCAN_TILE = tile
+    elif tile:
+        fused.TILES[1] = tile
     try:
         yield
     finally:
-        fused.TILES = saved
+        fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE = saved
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -146,11 +158,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_timing_args(p, warmup=3, iters=5)
     lm_shapes.add_args(p)
     p.add_argument(
+        "--band1_kernels",
+        type=_kernels,
+        help="tile,scan: profile every optimizer once per band-1 kernel (fused.BAND1_KERNEL; "
+        "rows named optimizer@kernel)",
+    )
+    p.add_argument(
         "--band1_tiles",
         type=kernel_speed.parse_tiles,
-        help="RxCxW,...: profile every optimizer once per band-1 (scan) kernel tile, set as its "
-        "default (rows named optimizer@RxCxW), to tune the tile on the whole update, where "
-        "kernel_speed.py's one tensor stays partly in L2",
+        help="RxCxW,...: profile every optimizer once per band-1 kernel tile (the kernel's "
+        "default set to it; rows named optimizer@RxCxW, or optimizer@kernel:RxCxW), to tune "
+        "the tile on the whole update, where kernel_speed.py's one tensor stays partly in L2",
     )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
@@ -175,10 +193,17 @@ def main(argv=None) -> dict:
         "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers")},
         "rows": [],
     }
-    for tile in args.band1_tiles or [None]:
+    settings = [
+        (kernel, tile)
+        for kernel in args.band1_kernels or [fused.BAND1_KERNEL]
+        for tile in args.band1_tiles or [None]
+    ]
+    for kernel, tile in settings:
+        suffix = [kernel] if args.band1_kernels else []
+        suffix += ["x".join(map(str, tile))] if tile else []
         for name in names:
-            label = f"{name}@{'x'.join(map(str, tile))}" if tile else name
-            with band1_tile(tile) if tile else contextlib.nullcontext():
+            label = f"{name}@{':'.join(suffix)}" if suffix else name
+            with band1(kernel, tile):
                 row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
             row["optimizer"] = label
             result["rows"].append(row)

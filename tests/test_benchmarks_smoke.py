@@ -76,13 +76,13 @@ def test_kernel_speed_schema(tmp_path):
     """One tile setting on a small tensor (Pallas' interpreter on CPU) and the HLO counts."""
     out, hlo_dir = tmp_path / "kernel_speed.json", tmp_path / "hlo"
     argv = ["--shape", "24,40", "--warmup", "1", "--iters", "1", "--tiles", "8x32x4", *TINY]
-    argv += ["--scan_tiles", "8x64x2", "--out", str(out), "--hlo_dir", str(hlo_dir)]
+    argv += ["--out", str(out), "--hlo_dir", str(hlo_dir)]
     returned = kernel_speed.main(argv)
     written = json.loads(out.read_text())
     assert written == json.loads(json.dumps(returned))
     names = [row["name"] for row in written["rows"]]
     assert names[0] == "copy" and "update sonew_tridiag_pallas" in names
-    assert {"kernel band0 tile 8x32 warps 4", "kernel band1 tile 8x64 warps 2"} <= set(names)
+    assert "kernel band1 tile 8x32 warps 4" in names
     assert all(_finite(row["ms"]) and row["bytes"] > 0 for row in written["rows"])
     hlo = {row["optimizer"]: row for row in written["hlo"]}
     assert set(hlo) == set(kernel_speed.UPDATES.split(","))
@@ -232,19 +232,33 @@ def test_profile_update_schema(tmp_path):
 
 def test_profile_update_band1_tiles(tmp_path):
     """One row per (tile, optimizer), each traced under its tile; fused.TILES is restored."""
-    saved = fused.TILES
-    argv = ["--optimizers", "sonew_tridiag_pallas", "--warmup", "0", "--iters", "1", *TINY]
-    argv += ["--band1_tiles", "8x64x2,16x128x4", "--trace_dir", str(tmp_path / "traces")]
+    default = fused.TILES[1]
+    argv = ["--optimizers", "sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
+    argv += ["--band1_tiles", "8x32x2,16x64x4", "--trace_dir", str(tmp_path / "traces")]
     out = tmp_path / "p.json"
     written = _read(out, profile_update.main([*argv, "--out", str(out)]))
     assert [row["optimizer"] for row in written["rows"]] == [
-        "sonew_tridiag_pallas@8x64x2",
-        "sonew_tridiag_pallas@16x128x4",
+        "sonew_tridiag@8x32x2",
+        "sonew_tridiag@16x64x4",
     ]
-    assert list(
-        (tmp_path / "traces" / "sonew_tridiag_pallas@8x64x2").glob("**/perfetto_trace.json.gz")
-    )
-    assert fused.TILES is saved
+    assert list((tmp_path / "traces" / "sonew_tridiag@8x32x2").glob("**/perfetto_trace.json.gz"))
+    assert fused.TILES[1] == default
+
+
+def test_profile_update_band1_kernels(tmp_path):
+    """Rows per (kernel, tile); the kernel and both default tiles are restored."""
+    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE
+    argv = ["--optimizers", "sonew_tridiag_pallas", "--warmup", "0", "--iters", "1", *TINY]
+    argv += ["--band1_kernels", "tile,scan", "--band1_tiles", "8x64x2"]
+    out = tmp_path / "p.json"
+    written = _read(out, profile_update.main([*argv, "--out", str(out)]))
+    assert [row["optimizer"] for row in written["rows"]] == [
+        "sonew_tridiag_pallas@tile:8x64x2",
+        "sonew_tridiag_pallas@scan:8x64x2",
+    ]
+    assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE) == saved
+    with pytest.raises(SystemExit):
+        profile_update.parse_args(["--band1_kernels", "tile,rows"])
 
 
 def test_step_counts_must_be_whole_and_large_enough():

@@ -20,10 +20,10 @@ from sonew_pax.optim import fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
-# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0; for band 1 the scan's 64-column
-# blocks of 8 or 16 rows, ``BANDS``) with ragged last ones (and a last row chunk of one row), so
-# row chunks read each other's edge rows from the halo copies; views with one row or one column;
-# size 1.
+# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 16 x 64 for band 1; the scan's
+# 64-column blocks of 8 or 16 rows, ``KERNELS``) with ragged last ones (and a last row chunk of
+# one row), so row chunks read each other's edge rows from the halo copies; views with one row or
+# one column; size 1.
 SHAPES = {
     "mat": (70, 130),
     "col": (7, 1),
@@ -72,16 +72,21 @@ def test_chain_neighbour_is_the_fortran_order_successor(shape):
         np.testing.assert_array_equal(np.asarray(got)[expect_exists], order[target[expect_exists]])
 
 
-# Band 0, and band 1's scan in 64-column blocks (several per test tensor) walking 8 rows (what
-# ``default_tile`` gives tensors this small) with the default ``SCAN_AHEAD``, or 16 (as on the LM
-# set's large tensors) loading 3 rows ahead (more than a ragged chunk has left).
-BANDS = pytest.mark.parametrize("band, walk, ahead", [(0, None, None), (1, 8, None), (1, 16, 3)])
+# Band 0, band 1's tile kernel, and its scan kernel in 64-column blocks (several per test tensor)
+# walking 8 rows (what ``default_tile`` gives tensors this small) with the default
+# ``SCAN_AHEAD``, or 16 (as on the LM set's large tensors) loading 3 rows ahead (more than a
+# ragged chunk has left).
+KERNELS = pytest.mark.parametrize(
+    "band, kernel, walk, ahead",
+    [(0, "tile", None, None), (1, "tile", None, None), (1, "scan", 8, None), (1, "scan", 16, 3)],
+)
 
 
 @pytest.fixture
-def scan_walk(monkeypatch):
-    def use(walk: int | None, ahead: int | None) -> None:
-        monkeypatch.setattr(fused, "TILES", {**fused.TILES, 1: (16, 64, 2)})
+def use_kernel(monkeypatch):
+    def use(kernel: str, walk: int | None, ahead: int | None) -> None:
+        monkeypatch.setattr(fused, "BAND1_KERNEL", kernel)
+        monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
         if walk:
             monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", walk)
         if ahead:
@@ -90,10 +95,10 @@ def scan_walk(monkeypatch):
     return use
 
 
-@BANDS
+@KERNELS
 @pytest.mark.parametrize("graft", ["adam", "none"])
-def test_kernel_equals_xla(x64, band, walk, ahead, graft, scan_walk):
-    scan_walk(walk, ahead)
+def test_kernel_equals_xla(x64, band, kernel, walk, ahead, graft, use_kernel):
+    use_kernel(kernel, walk, ahead)
     shapes = {**SHAPES, **SHAPES_1D}
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
@@ -103,12 +108,12 @@ def test_kernel_equals_xla(x64, band, walk, ahead, graft, scan_walk):
     _assert_close(expect, got, 1e-11)
 
 
-@BANDS
-def test_kernel_with_bf16_storage_and_float32(band, walk, ahead, scan_walk):
+@KERNELS
+def test_kernel_with_bf16_storage_and_float32(band, kernel, walk, ahead, use_kernel):
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
-    scan_walk(walk, ahead)
+    use_kernel(kernel, walk, ahead)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
@@ -242,7 +247,8 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
     assert len({id(h.buffer) for h in halos}) == 5
 
 
-def test_scan_kernel_rejects_columns_fewer_than_lanes():
+def test_scan_kernel_rejects_columns_fewer_than_lanes(monkeypatch):
+    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
     shape = (40, 64)
     m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
@@ -254,16 +260,19 @@ def test_leaf_update_rejects_halos_of_another_tile():
     shape = (40, 8)
     m, d = jnp.zeros(shape), jnp.ones(shape)
     e = jnp.zeros((1, *shape))
-    halos = tuple(fused.gather_halos([m, d, e[0]], rows=16, interpret=True))
+    halos = tuple(fused.gather_halos([m, d, e[0]], rows=8, interpret=True))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
-    with pytest.raises(ValueError, match="chunks of 16 rows, tile has 8"):
+    with pytest.raises(ValueError, match=f"chunks of 8 rows, tile has {fused.TILES[1][0]}"):
         fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
 
 
 def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     """The scan halves its rows (down to ``_SCAN_MIN_ROWS``) until a tensor has
-    ``_SCAN_PROGRAMS`` programs; band 0 keeps its tile; the halos follow the step's rows."""
-    monkeypatch.setattr(fused, "TILES", {0: (8, 128, 8), 1: (32, 256, 2)})
+    ``_SCAN_PROGRAMS`` programs; band 0 and the tile kernel keep their tiles; the halos follow
+    the step's rows."""
+    assert fused.default_tile(1, (70, 130)) == fused.TILES[1]  # the tile kernel, by default
+    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
+    monkeypatch.setattr(fused, "SCAN_TILE", (32, 256, 2))
     monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 1024)
     monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", 8)
     rows = {
@@ -277,7 +286,7 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     }
     for shape, expect in rows.items():
         assert fused.default_tile(1, shape) == (expect, 256, 2), shape
-        assert fused.default_tile(0, shape) == (8, 128, 8)
+        assert fused.default_tile(0, shape) == fused.TILES[0]
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
     monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 64)  # the second has 8 x 5 programs at 8 rows
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]
@@ -287,13 +296,14 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 32]
 
 
-@pytest.mark.parametrize("band", [0, 1])
-def test_kernels_lower_to_triton_for_cuda(band, monkeypatch):
+@KERNELS
+def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
     whole update (the band-1 halo gather too) picks the Triton backend, not Mosaic GPU."""
     from jax import export
 
+    use_kernel(kernel, walk, ahead)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
 
@@ -308,6 +318,7 @@ def test_kernels_lower_to_triton_for_cuda(band, monkeypatch):
     exported = export.export(jax.jit(update), platforms=("cuda",), disabled_checks=[check])
     text = exported(params, state, params).mlir_module()
     kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
-    expected = {"sonew_band1_scan", "sonew_halo"} if band else {"sonew_band0_step"}
+    step = "scan" if kernel == "scan" else "step"
+    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band else set())
     assert {name for _, name in kernels} == expected
     assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}

@@ -9,19 +9,21 @@ update the donated state in place: it copies every state array once more. Here:
   are the rows a program reads from its neighbours' chunks (and, at the top and bottom of the
   tensor, the wrapped chain neighbours, :func:`chain_neighbour`); reading the copies, no program
   depends on when another one overwrites its rows. One launch serves many same-shaped tensors;
-* **the diag kernel** (band 0) tiles the 2-D view of the tensor (:func:`tile_view`: axis 0 by
-  the rest) in ``rows x cols`` tiles; a program reads its tile of ``g``, ``m`` and ``d`` and
-  writes the direction ``u``, per tile the partial norms of Adam's direction and of ``u`` as
-  ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
+* **the step kernel** tiles the 2-D view of the tensor (:func:`tile_view`: axis 0 by the rest,
+  the chain running down the columns) in ``rows x cols`` tiles. A program reads its tile of
+  ``g``, ``m``, ``d`` (and ``e``), the rows just above and below it (the state's from the halo
+  input), and writes the direction ``u``, per tile the partial norms of Adam's direction and of
+  ``u`` as ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
   ``chain.norms``), and the new state **in place**;
-* **the scan kernel** (band 1) gives a program ``rows`` rows of ``cols`` columns of the view, the
-  chain running down each column. It walks down its rows, one lane per column, carrying the
-  previous row's per-position quantities (``pointwise.vertex``) and the edge above, so it reads
-  each array once and computes each vertex and edge once; the rows just above and below its
-  chunk come from the halo copies. It writes what the diag kernel writes, and ``e``, in place.
-  (A first band-1 kernel tiled the view like the diag kernel and read each tile's neighbour
-  rows: three reads of every array and every vertex computed three times. The scan's update of
-  the LM set takes 13% less device time on an H100: results/profile_update_scan.json);
+* band 1 has a second step kernel, **the scan kernel** (``BAND1_KERNEL = "scan"``, opt-in): a
+  program walks down its ``rows`` rows, one lane per column, carrying the previous row's
+  per-position quantities (``pointwise.vertex``), so it reads each array once and computes each
+  vertex and edge once where the tile kernel reads three rows and recomputes. Its update of the
+  LM set takes 13% less device time on an H100 (results/profile_update_scan.json), and it equals
+  the XLA path in the tests (Pallas' interpreter); but compiled for the GPU, the MNIST autoencoder
+  trained with it ends at a train loss 0.1-0.2 above the XLA path's and the tile kernel's (4 seeds
+  each, benchmarks/README.md), for a reason not yet found. Until it is, the tile kernel is the
+  default;
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, one reduction for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``.
@@ -51,14 +53,20 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout
 
-# (rows, cols, num_warps) per band: the view's rows x cols per program and its warps. Band 0:
-# the fastest of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
-# (results/kernel_speed.json, 2026-11-26: 2.8 TB/s). Band 1: the scan walks its rows one after
-# another, so a small tensor gets shorter walks (halved down to ``_SCAN_MIN_ROWS``) until it has
-# ``_SCAN_PROGRAMS`` programs to spread over the GPU; on an H100 (results/
-# profile_update_scan_tiles.json) 16 rows were fastest on the LM set's 4M-element tensors (1024
-# programs), 8 on its 1M-element ones. Band 1's halo rows are 2 / rows of its state.
-TILES = {0: (8, 128, 8), 1: (16, 256, 2)}
+# (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
+# of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
+# (results/kernel_speed.json; 2026-11-26: band 0 at 2.8 TB/s, band 1 at 1.9 TB/s). Band 1's halo
+# rows are 2 / rows of the state. (On one tensor of the LM set's shapes kernel_speed.py favours
+# 32 x 32, but that tensor's state stays partly in L2; in the whole LM-set update 32 x 32 is
+# slower: results/profile_update_tile32x32.json against results/profile_update.json.)
+TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
+# Band 1's kernel: "tile" (``_step_kernel``, the default) or "scan" (``_scan_kernel``, opt-in: see
+# the module docstring). The scan's default tile: it walks its rows one after another, so a small
+# tensor gets shorter walks (halved down to ``_SCAN_MIN_ROWS``) until it has ``_SCAN_PROGRAMS``
+# programs to spread over the GPU; on an H100 (results/profile_update_scan_tiles.json) 16 rows
+# were fastest on the LM set's 4M-element tensors (1024 programs), 8 on its 1M-element ones.
+BAND1_KERNEL = "tile"
+SCAN_TILE = (16, 256, 2)
 _SCAN_PROGRAMS = 1024
 _SCAN_MIN_ROWS = 8
 # Rows the scan loads ahead of the one it computes (their loads in flight while it computes). On
@@ -72,14 +80,16 @@ _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
-    ``TILES[band]``, for band 1 with fewer rows on small tensors."""
-    rows, cols, num_warps = TILES[band]
+    ``TILES[band]``, or for the scan kernel ``SCAN_TILE`` with fewer rows on small tensors."""
+    if band != 1 or BAND1_KERNEL != "scan":
+        return TILES[band]
+    rows, cols, num_warps = SCAN_TILE
     num_rows, num_cols = tile_view(shape)
 
     def programs(rows):
         return pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows)
 
-    while band == 1 and rows > _SCAN_MIN_ROWS and programs(rows) < _SCAN_PROGRAMS:
+    while rows > _SCAN_MIN_ROWS and programs(rows) < _SCAN_PROGRAMS:
         rows //= 2
     return rows, cols, num_warps
 
@@ -281,12 +291,12 @@ def _scan_kernel(
     """Band 1 walking down a ``rows x cols`` block of the view one row at a time.
 
     Each lane owns a column and carries the previous row's :func:`pointwise.vertex` and the
-    ``l z`` of the edge above, so every array is read once and every vertex and edge computed
+    ``(l, z)`` of the edge above, so every array is read once and every vertex and edge computed
     once, with ``pointwise.tridiagonal_step``'s float operations. Rows up to ``r + ahead + 1``
     are loaded while row ``r`` is computed: loading each row as it came, the walk waited on
     memory (the LM set's update took 18% more device time on an H100 than with ``ahead=1``). A
-    lane writes only rows it has read, so no
-    barrier is needed (``cols`` must cover the warps' lanes: no lane's column is another's).
+    lane writes only rows it has read, so no barrier is needed (``cols`` must cover the warps'
+    lanes: no lane's column is another's).
     """
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
@@ -326,7 +336,7 @@ def _scan_kernel(
     zero = jnp.zeros((cols,), compute)
 
     def body(k, carry):
-        here, e_here, lz_above, queue, pairs = carry
+        here, e_here, above, queue, pairs = carry
         r = first + k
         valid = in_cols & (r <= last)
         # Rows r + 1 ... r + ahead were loaded in earlier iterations; row r + ahead + 1 is loaded
@@ -338,42 +348,90 @@ def _scan_kernel(
         )
         after = vertex(next_raw)
         e_new, lower, z = pointwise.edge(e_here, here, after, corrections, hyper)
-        u = here.scale * (z + lz_above)
+        u = here.scale * (z + above[0] * above[1])  # tridiagonal_step's expression
         adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
         at = r * num_cols + c
         plgpu.store(u_ref.at[at], u.astype(u_ref.dtype), mask=valid)
         for ref, x in ((m_out, here.m), (d_out, here.d), (e_out, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
-        return after, e_next, lower * z, queue, pairs
+        return after, e_next, (lower, z), queue, pairs
 
     queue = tuple(row(first + k) for k in range(1, ahead + 1))
-    init = (top, e_first, lower * z, queue, ((zero, zero),) * 2)
+    init = (top, e_first, (lower, z), queue, ((zero, zero),) * 2)
     *_, pairs = jax.lax.fori_loop(0, rows, body, init)
     _write_parts(parts_ref, i, j, pairs)
 
 
-def _diag_kernel(
-    scalars_ref, g_ref, m_ref, d_ref, u_ref, m_out, d_out, parts_ref, *, shape, graft, rows, cols
-):
-    """One ``rows x cols`` tile of the view: band 0's kernel of the module docstring."""
+def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
+    """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
+    if band:
+        g_ref, m_ref, d_ref, e_ref, *halo_refs, starts_ref = refs[:8]
+        u_ref, m_out, d_out, e_out, parts_ref = refs[8:]
+    else:
+        g_ref, m_ref, d_ref, u_ref, m_out, d_out, parts_ref = refs
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
-    valid = (r < num_rows) & (c < num_cols)
+    in_cols = c < num_cols
+    valid = (r < num_rows) & in_cols
     offset = r * num_cols + c
     hyper, corrections = _numbers(scalars_ref, graft)
+    compute = d_ref.dtype
 
-    def read(ref):
-        return plgpu.load(ref.at[offset], mask=valid, other=0).astype(d_ref.dtype)
+    def read(ref, at, mask):
+        return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
 
-    step = pointwise.diagonal_step(
-        pointwise.Raw(read(g_ref), read(m_ref), read(d_ref)), corrections, hyper
-    )
-    for ref, x in ((u_ref, step.u), (m_out, step.m), (d_out, step.d)):
-        plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid)
-    ones = jnp.ones(valid.shape, d_ref.dtype)
+    def here(ref):
+        return read(ref, offset, valid)
+
+    raw = pointwise.Raw(here(g_ref), here(m_ref), here(d_ref))
+    outputs = [(m_out, "m"), (d_out, "d")]
+    if band == 0:
+        step = pointwise.diagonal_step(raw, corrections, hyper)
+    else:
+        first, last = _chunk_rows(i, rows, num_rows)
+        above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
+        below, below_ok, halo_below = _across_chunks(i, c, shape, rows, 1)
+
+        def up(ref, halo_ref, at):
+            """``ref`` one row up; at the chunk's first row from ``halo_ref[at]``."""
+            inner = read(ref, offset - num_cols, valid & (r != first))
+            return jnp.where(r == first, read(halo_ref, at, above_ok), inner)
+
+        def down(ref, halo_ref, at):
+            """``ref`` one row down; at the chunk's last row from ``halo_ref[at]``."""
+            inner = read(ref, offset + num_cols, valid & (r != last))
+            return jnp.where(r == last, read(halo_ref, at, below_ok), inner)
+
+        # Where each state array's halo rows start in its buffer: an input, so one compiled
+        # kernel serves every tensor of a shape. g is read-only: its own rows are its halo.
+        halo_m, halo_d, halo_e = halo_refs
+        m0, d0, e0 = (starts_ref[k] for k in range(3))
+        at = {
+            -1: pointwise.Raw(
+                up(g_ref, g_ref, above),
+                up(m_ref, halo_m, m0 + halo_above),
+                up(d_ref, halo_d, d0 + halo_above),
+            ),
+            0: raw,
+            1: pointwise.Raw(
+                down(g_ref, g_ref, below),
+                down(m_ref, halo_m, m0 + halo_below),
+                down(d_ref, halo_d, d0 + halo_below),
+            ),
+        }
+        e_here, e_up = here(e_ref), up(e_ref, halo_e, e0 + halo_above)
+        if not interpret:
+            # Every thread has read its tile's rows before any thread overwrites them.
+            plgpu.debug_barrier()
+        step = pointwise.tridiagonal_step(at, e_here, e_up, corrections, hyper)
+        outputs.append((e_out, "e"))
+    plgpu.store(u_ref.at[offset], step.u.astype(u_ref.dtype), mask=valid)
+    for ref, name in outputs:
+        plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
+    ones = jnp.ones(valid.shape, compute)
     pairs = [(jnp.where(valid, jnp.abs(x), 0), ones) for x in (step.adam, step.u)]
     _write_parts(parts_ref, i, j, pairs)
 
@@ -396,7 +454,7 @@ def leaf_update(
     ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
     (:func:`tile_view`) with ``num_warps`` warps; default :func:`default_tile`; a tuning knob
     (``benchmarks/kernel_speed.py``, ``benchmarks/profile_update.py``). Band 1 runs
-    the scan kernel. Returns ``(u, m, d, e, parts)``: the ungrafted direction in
+    ``BAND1_KERNEL``. Returns ``(u, m, d, e, parts)``: the ungrafted direction in
     ``d``'s dtype, the new state in the stored dtypes, and per tile the norm pairs ``(max |x|,
     sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(tiles, 4)`` rows ``(scale_adam,
     sum_adam, scale_u, sum_u)`` (``None`` unless ``hyper.graft == "adam"``); see
@@ -407,7 +465,8 @@ def leaf_update(
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     rows, cols, num_warps = tile or default_tile(band, g.shape)
-    if band and cols < 32 * num_warps:
+    scan = band == 1 and BAND1_KERNEL == "scan"
+    if scan and cols < 32 * num_warps:
         raise ValueError(f"scan kernel: {cols} columns for 32 x {num_warps} lanes (one each)")
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
@@ -428,7 +487,7 @@ def leaf_update(
         hyper.graft,
         (rows, cols, num_warps),
         tuple(jnp.dtype(x.dtype) for x in state),
-        SCAN_AHEAD if band else 0,
+        SCAN_AHEAD if scan else 0,
         interpret,
     )
     u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts)
@@ -441,10 +500,11 @@ def leaf_update(
 @functools.cache
 def _step_call(shape, graft, tile, state_dtypes, ahead, interpret) -> Callable:
     """:func:`leaf_update`'s kernel for one static configuration (band 1 when ``state_dtypes``
-    holds ``e``'s), jitted and cached: the tensors of one shape then call one jitted function,
-    which JAX lowers to Triton once per program instead of once per tensor, and whose Triton
-    module the program holds once (the LM set's update, exported for CUDA on a CPU: 3.9 s of
-    lowering and 2.5 MB of MLIR instead of 14.9 s and 10 MB)."""
+    holds ``e``'s; the scan kernel when ``ahead``, its look-ahead, is set), jitted and cached:
+    the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
+    program instead of once per tensor, and whose Triton module the program holds once (the LM
+    set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
+    13.0 s and 10 MB; on an H100 with the scan kernel, 6.3 s instead of 21.8)."""
     band = len(state_dtypes) - 2
     rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
@@ -454,10 +514,11 @@ def _step_call(shape, graft, tile, state_dtypes, ahead, interpret) -> Callable:
     outputs += [jax.ShapeDtypeStruct((size,), dtype) for dtype in state_dtypes]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
     static = dict(shape=shape, graft=graft, rows=rows, cols=cols)
-    if band:
+    if ahead:
         kernel, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
     else:
-        kernel, name = _diag_kernel, "sonew_band0_step"
+        kernel, name = _step_kernel, f"sonew_band{band}_step"
+        static.update(band=band, interpret=interpret)
     step = pl.pallas_call(
         _bind(kernel, name, **static),
         grid=grid,
