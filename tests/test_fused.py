@@ -129,9 +129,11 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, walk, ahead, use_ker
     _assert_close(expect_state, got_state, 1.5e-2)
 
 
-def test_kernel_under_inject_hyperparams_and_vmap(x64):
+@pytest.mark.parametrize("kernel", ["tile", "scan"])
+def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
-    learning rates and eps, as the autoencoder benchmark sweeps them."""
+    learning rates and eps, as the autoencoder benchmark sweeps them (band 1, both kernels)."""
+    use_kernel(kernel, None, None)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
 
     def make(implementation):
