@@ -181,7 +181,8 @@ def gather_halos(
 
     Arrays of one view shape and dtype share launches (up to ``_HALO_GROUP`` arrays each), so a
     model's update adds a few small kernels, not one per tensor. ``rows`` is the step kernel's
-    row chunk (default :func:`default_tile`'s). Returns one :class:`Halo` per array, in order.
+    row chunk (default: :func:`default_tile`'s for each view). Returns one :class:`Halo` per
+    array, in order.
     """
     groups: dict[tuple, list[int]] = {}
     for k, x in enumerate(arrays):
