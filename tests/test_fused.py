@@ -302,14 +302,16 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
 def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
-    whole update (the band-1 halo gather too) picks the Triton backend, not Mosaic GPU."""
+    whole update (the band-1 halo gather too) picks the Triton backend, not Mosaic GPU. Two
+    tensors of one shape share one lowered kernel (``fused._step_call``): lowering one per tensor
+    took most of the LM set's first step."""
     from jax import export
 
     use_kernel(kernel, walk, ahead)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
 
-    params = {"mat": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
+    params = {"mat": jnp.zeros((70, 130)), "mat2": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
     tx = sonew(0.1, band=band, implementation="pallas")
     state = tx.init(params)
 
@@ -324,3 +326,4 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch
     expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band else set())
     assert {name for _, name in kernels} == expected
     assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}
+    assert [name for _, name in kernels].count(f"sonew_band{band}_{step}") == 1
