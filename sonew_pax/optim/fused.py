@@ -488,7 +488,8 @@ def leaf_update(
         hyper.graft,
         (rows, cols, num_warps),
         tuple(jnp.dtype(x.dtype) for x in state),
-        SCAN_AHEAD if scan else 0,
+        "scan" if scan else "tile",
+        SCAN_AHEAD if scan else None,
         interpret,
     )
     u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts)
@@ -499,9 +500,9 @@ def leaf_update(
 
 
 @functools.cache
-def _step_call(shape, graft, tile, state_dtypes, ahead, interpret) -> Callable:
-    """:func:`leaf_update`'s kernel for one static configuration (band 1 when ``state_dtypes``
-    holds ``e``'s; the scan kernel when ``ahead``, its look-ahead, is set), jitted and cached:
+def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret) -> Callable:
+    """:func:`leaf_update`'s ``kernel`` (``"tile"``, or ``"scan"`` loading ``ahead`` rows ahead)
+    for one static configuration (band 1 when ``state_dtypes`` holds ``e``'s), jitted and cached:
     the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
     program instead of once per tensor, and whose Triton module the program holds once (the LM
     set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
@@ -515,13 +516,13 @@ def _step_call(shape, graft, tile, state_dtypes, ahead, interpret) -> Callable:
     outputs += [jax.ShapeDtypeStruct((size,), dtype) for dtype in state_dtypes]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
     static = dict(shape=shape, graft=graft, rows=rows, cols=cols)
-    if ahead:
-        kernel, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
+    if kernel == "scan":
+        body, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
     else:
-        kernel, name = _step_kernel, f"sonew_band{band}_step"
+        body, name = _step_kernel, f"sonew_band{band}_step"
         static.update(band=band, interpret=interpret)
     step = pl.pallas_call(
-        _bind(kernel, name, **static),
+        _bind(body, name, **static),
         grid=grid,
         out_shape=outputs,
         input_output_aliases={2 + k: 1 + k for k in range(len(state_dtypes))},
