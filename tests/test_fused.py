@@ -165,6 +165,35 @@ def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     _assert_close(trajectory("xla", lrs, epss), trajectory("pallas", lrs, epss), 1e-11)
 
 
+@pytest.mark.skipif(
+    jax.default_backend() != "gpu",
+    reason="CPUs treat subnormal numbers as zero (DAZ): only GPU arithmetic shows the overflow",
+)
+@KERNELS
+def test_kernel_norms_of_subnormal_directions(band, kernel, walk, ahead, use_kernel):
+    """float32 directions whose entries are all subnormal (``|x| < 2^-126``, as the decayed
+    moments of rarely lit MNIST pixels): every tile's (and every scan lane's) largest ``|x|`` is
+    subnormal, whose reciprocal overflows. The kernels' norms stay finite and their graft ratios
+    equal the XLA path's (``fused._scale_floor``); without the floor the updates were zero."""
+    use_kernel(kernel, walk, ahead)
+    shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
+    params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
+    grads = [
+        jax.tree.map(
+            lambda x: jnp.asarray((1e-39 * np.asarray(x, np.float64)).astype(np.float32)), g
+        )
+        for g in _trajectory(shapes, ["normal"] * 2)
+    ]
+    # eps and graft_eps of 1: u and Adam's direction are about m_hat, as small as g; a learning
+    # rate of 1e30 makes the updates normal numbers.
+    kwargs = dict(band=band, eps=1.0, graft_eps=1.0, stats_dtype=jnp.float32)
+    expect, _ = run(sonew(1e30, implementation="xla", **kwargs), params, grads)
+    got, _ = run(sonew(1e30, implementation="pallas", **kwargs), params, grads)
+    for a in jax.tree.leaves(expect):
+        assert np.abs(np.asarray(a)).max() > 0  # the XLA path keeps the subnormals
+    _assert_close(expect, got, 1e-5)
+
+
 def test_sharded_tensors_keep_the_xla_path(x64):
     """Under a mesh, sharded tensors take the halo-exchange path and replicated ones the kernel;
     the result equals the unsharded optimizer."""

@@ -249,20 +249,35 @@ def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
 def _write_parts(parts_ref, i, j, pairs) -> None:
     """Program ``(i, j)``'s norm pairs of Adam's direction and of ``u`` from per-lane pairs
     ``(scale, sum (x / scale)^2)``: rescaled to the largest scale and added (as
-    ``chain.merge_norm_parts``)."""
+    ``chain.merge_norm_parts``). The scale is at least the smallest normal number
+    (:func:`_scale_floor`)."""
     for k, (scales, sums) in enumerate(pairs):
-        top = jnp.max(scales)
-        ratio = scales * (1 / jnp.where(top > 0, top, 1))
+        top = jnp.maximum(jnp.max(scales), _scale_floor(scales.dtype))
+        ratio = scales * (1 / top)
         parts_ref[i, j, 2 * k] = top
         parts_ref[i, j, 2 * k + 1] = jnp.sum(sums * ratio * ratio)
 
 
+def _scale_floor(dtype) -> Any:
+    """The smallest scale of the kernels' norm pairs: the smallest normal number of ``dtype``.
+
+    The kernels multiply by ``1 / scale`` (one division per pair, not per element). GPUs keep
+    subnormal numbers, whose reciprocals overflow: a scale of ``|x| < 2^-128`` made a norm
+    ``inf * 0 = NaN`` and the tensor's graft ratio 0, its update zero (the MNIST autoencoder's
+    first layer, whose rarely lit pixels' moments decay into subnormals, lost its update at ~20%
+    of the steps after epoch 29 in the scan kernel). From a normal scale ``1 / scale`` is finite,
+    and ``(x / scale)^2`` of smaller ``x`` underflows harmlessly.
+    """
+    return jnp.finfo(dtype).tiny
+
+
 def _running_pair(pair, x, valid):
-    """The per-lane pair ``(scale, sum (x / scale)^2)`` with ``|x|`` added where ``valid``."""
+    """The per-lane pair ``(scale, sum (x / scale)^2)`` with ``|x|`` added where ``valid``; the
+    scale starts at :func:`_scale_floor`."""
     scale, total = pair
     x = jnp.where(valid, jnp.abs(x), 0)
     new = jnp.maximum(scale, x)
-    inverse = 1 / jnp.where(new > 0, new, 1)
+    inverse = 1 / new
     ratio, scaled = scale * inverse, x * inverse
     return new, total * ratio * ratio + scaled * scaled
 
@@ -359,7 +374,8 @@ def _scan_kernel(
         return after, e_next, (lower, z), queue, pairs
 
     queue = tuple(row(first + k) for k in range(1, ahead + 1))
-    init = (top, e_first, (lower, z), queue, ((zero, zero),) * 2)
+    floor = jnp.full((cols,), _scale_floor(compute), compute)
+    init = (top, e_first, (lower, z), queue, ((floor, zero),) * 2)
     *_, pairs = jax.lax.fori_loop(0, rows, body, init)
     _write_parts(parts_ref, i, j, pairs)
 
