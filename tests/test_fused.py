@@ -291,9 +291,10 @@ def test_leaf_update_rejects_halos_of_another_tile():
     shape = (40, 8)
     m, d = jnp.zeros(shape), jnp.ones(shape)
     e = jnp.zeros((1, *shape))
-    halos = tuple(fused.gather_halos([m, d, e[0]], rows=8, interpret=True))
+    halos = tuple(fused.gather_halos([m, d, e[0]], rows=4, interpret=True))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
-    with pytest.raises(ValueError, match=f"chunks of 8 rows, tile has {fused.TILES[1][0]}"):
+    rows = fused.default_tile(1, shape)[0]
+    with pytest.raises(ValueError, match=f"chunks of 4 rows, tile has {rows}"):
         fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
 
 
@@ -301,7 +302,8 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     """The scan halves its rows (down to ``_SCAN_MIN_ROWS``) until a tensor has
     ``_SCAN_PROGRAMS`` programs; band 0 and the tile kernel keep their tiles; the halos follow
     the step's rows."""
-    assert fused.default_tile(1, (70, 130)) == fused.TILES[1]  # the tile kernel, by default
+    monkeypatch.setattr(fused, "BAND1_KERNEL", "tile")
+    assert fused.default_tile(1, (70, 130)) == fused.TILES[1]
     monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
     monkeypatch.setattr(fused, "SCAN_TILE", (32, 256, 2))
     monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 1024)

@@ -15,15 +15,11 @@ update the donated state in place: it copies every state array once more. Here:
   input), and writes the direction ``u``, per tile the partial norms of Adam's direction and of
   ``u`` as ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
   ``chain.norms``), and the new state **in place**;
-* band 1 has a second step kernel, **the scan kernel** (``BAND1_KERNEL = "scan"``, opt-in): a
-  program walks down its ``rows`` rows, one lane per column, carrying the previous row's
-  per-position quantities (``pointwise.vertex``), so it reads each array once and computes each
-  vertex and edge once where the tile kernel reads three rows and recomputes. Its update of the
-  LM set takes 13% less device time on an H100 (results/profile_update_scan.json), and it equals
-  the XLA path in the tests (Pallas' interpreter); but compiled for the GPU, the MNIST autoencoder
-  trained with it ends at a train loss 0.1-0.2 above the XLA path's and the tile kernel's (4 seeds
-  each, benchmarks/README.md), for a reason not yet found. Until it is, the tile kernel is the
-  default;
+* band 1 runs, by default, **the scan kernel** (``BAND1_KERNEL = "scan"``): a program walks
+  down its ``rows`` rows, one lane per column, carrying the previous row's per-position
+  quantities (``pointwise.vertex``), so it reads each array once and computes each vertex and
+  edge once where the tile kernel (``BAND1_KERNEL = "tile"``) reads three rows and recomputes:
+  the LM set's update takes 13% less device time on an H100 (results/profile_update_scan.json);
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, one reduction for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``.
@@ -60,12 +56,13 @@ from sonew_pax.optim.chain import ChainLayout
 # 32 x 32, but that tensor's state stays partly in L2; in the whole LM-set update 32 x 32 is
 # slower: results/profile_update_tile32x32.json against results/profile_update.json.)
 TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
-# Band 1's kernel: "tile" (``_step_kernel``, the default) or "scan" (``_scan_kernel``, opt-in: see
-# the module docstring). The scan's default tile: it walks its rows one after another, so a small
-# tensor gets shorter walks (halved down to ``_SCAN_MIN_ROWS``) until it has ``_SCAN_PROGRAMS``
-# programs to spread over the GPU; on an H100 (results/profile_update_scan_tiles.json) 16 rows
-# were fastest on the LM set's 4M-element tensors (1024 programs), 8 on its 1M-element ones.
-BAND1_KERNEL = "tile"
+# Band 1's kernel: "scan" (``_scan_kernel``, the default) or "tile" (``_step_kernel``, as band
+# 0's; see the module docstring). The scan's default tile: it walks its rows one after another,
+# so a small tensor gets shorter walks (halved down to ``_SCAN_MIN_ROWS``) until it has
+# ``_SCAN_PROGRAMS`` programs to spread over the GPU; on an H100
+# (results/profile_update_scan_tiles.json) 16 rows were fastest on the LM set's 4M-element
+# tensors (1024 programs), 8 on its 1M-element ones.
+BAND1_KERNEL = "scan"
 SCAN_TILE = (16, 256, 2)
 _SCAN_PROGRAMS = 1024
 _SCAN_MIN_ROWS = 8

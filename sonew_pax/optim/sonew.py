@@ -332,8 +332,8 @@ def scale_by_sonew(
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
       implementation: ``"auto"`` (default): on GPU, the diag and tridiag step of every tensor that
         lives whole on its device as Pallas (Triton) kernels that update the state in place
-        (``fused.py``; on an H100 tridiag's update of the LM set takes 2.3x AdamW's device time and
-        1.7x its wall time, against 3.1x and 2.6x for XLA, ``benchmarks/README.md``), when ``mesh``
+        (``fused.py``; on an H100 tridiag's update of the LM set takes 1.9x AdamW's device time and
+        1.6x its wall time, against 3.1x and 2.4x for XLA, ``benchmarks/README.md``), when ``mesh``
         is given or the process has one device (without a mesh, several devices' arrays may be
         sharded by the caller's ``jit``, which cannot partition a kernel); XLA elsewhere, for wider
         bands and for sharded tensors. ``"xla"``: never the kernels; ``"pallas"``: the kernels
