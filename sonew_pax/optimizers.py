@@ -5,15 +5,12 @@ Every optimizer factory here has the same shape,
 hyper-parameters bound in gin (``configs/optimizers/*.gin``). The trainer calls
 `make_optimizer` with the learning-rate schedule (which it also logs) once it knows the mesh and
 the parameter specs, because SONew's sharded update needs both; the others ignore them.
-`make_optimizer` adds global-norm gradient clipping in front, or, for a factory that takes a
-``clip_norm`` argument (SONew), has the optimizer clip: SONew's GPU kernels then scale the
-gradient as they read it instead of reading a clipped copy that XLA would have to write first.
+`make_optimizer` adds global-norm gradient clipping in front.
 
 Weight decay is applied to matrices only (``ndim >= 2``): norm scales and biases are not decayed,
 as in most LM recipes.
 """
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -143,7 +140,6 @@ def sonew(
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
-    clip_norm: float | None = None,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
@@ -155,8 +151,7 @@ def sonew(
     moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
     kernels (``"auto"``, default: on GPU; ``"pallas"``: everywhere) or the XLA path (``"xla"``).
     ``graft_lag`` scales each step by the previous step's Adam-graft ratio (the first update is
-    zero; no faster on an H200, see ``benchmarks/README.md``). ``clip_norm`` clips the gradients'
-    global norm inside the optimizer (`make_optimizer` passes its own).
+    zero; no faster on an H200, see ``benchmarks/README.md``).
     """
     return optim.sonew(
         learning_rate,
@@ -174,7 +169,6 @@ def sonew(
         offdiag_dtype=offdiag_dtype,
         implementation=implementation,
         graft_lag=graft_lag,
-        clip_norm=clip_norm,
         mesh=mesh,
         param_specs=param_specs,
     )
@@ -189,16 +183,8 @@ def make_optimizer(
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
-    """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer.
-
-    A factory with a ``clip_norm`` argument clips inside (the same math); the chain's first state
-    is then ``optax.identity``'s, empty like ``optax.clip_by_global_norm``'s, so the optimizer
-    state has one structure either way (checkpoints restore across the choice).
-    """
-    if clip_norm is None:
-        return factory(schedule, mesh=mesh, param_specs=param_specs)
-    if "clip_norm" in inspect.signature(factory).parameters:
-        tx = factory(schedule, clip_norm=clip_norm, mesh=mesh, param_specs=param_specs)
-        return optax.chain(optax.identity(), tx)
+    """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer."""
     tx = factory(schedule, mesh=mesh, param_specs=param_specs)
+    if clip_norm is None:
+        return tx
     return optax.chain(optax.clip_by_global_norm(clip_norm), tx)

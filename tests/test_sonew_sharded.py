@@ -91,19 +91,6 @@ def test_sharded_equals_unsharded(x64, mesh_shape, band):
             assert sonew_state.e[k].sharding.is_equivalent_to(band_sharding, ndim + 1)
 
 
-def test_sharded_clipping_equals_unsharded(x64):
-    """``clip_norm``: the global norm spans every shard (computed before ``shard_map``)."""
-    params, specs = case((2, 4))
-    rng = np.random.default_rng(7)
-    grads_seq = [
-        jax.tree.map(lambda p: jnp.asarray(3 * rng.normal(size=p.shape)), params) for _ in range(3)
-    ]
-    kwargs = dict(
-        band=1, eps=1e-4, gamma=1e-6, precondition_1d=True, stats_dtype=jnp.float64, clip_norm=1.0
-    )
-    assert_sharded_matches(kwargs, params, specs, make_mesh((2, 4)), grads_seq, rtol=1e-10)
-
-
 def test_compiled_update_has_no_gathers():
     """Only collective-permutes (halos) and all-reduces (grafting norms): nothing is gathered."""
     params, specs = case((2, 4))

@@ -8,7 +8,6 @@ import pathlib
 
 import gin
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -125,30 +124,6 @@ def test_clipping_comes_first():
     updates, _ = tx.update({"w": np.full((2, 2), 1e6, np.float32)}, tx.init(params), params)
     assert np.all(np.isfinite(updates["w"]))
     assert isinstance(tx.init(params)[0], optax.ClipByGlobalNormState)
-
-
-def test_sonew_clips_inside_with_the_same_state_structure_and_updates():
-    """SONew's factory takes ``clip_norm``: make_optimizer has it clip (its kernels then scale
-    the gradient as they read it); state structure and updates equal clipping in front."""
-    schedule = optax.constant_schedule(0.1)
-    params = {"w": jnp.ones((4, 6)), "b": jnp.ones((6,))}
-    grads = {"w": jnp.full((4, 6), 3.0) + jnp.arange(24.0).reshape(4, 6), "b": jnp.ones((6,))}
-    tx = optimizers.make_optimizer(schedule, factory=optimizers.sonew, clip_norm=1.0)
-    in_front = optax.chain(optax.clip_by_global_norm(1.0), optimizers.sonew(schedule))
-    state, state_front = tx.init(params), in_front.init(params)
-    assert jax.tree.structure(state) == jax.tree.structure(state_front)
-    updates, _ = tx.update(grads, state, params)
-    expect, _ = in_front.update(grads, state_front, params)
-    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expect), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-5)
-    seen = []
-
-    def factory(learning_rate, *, clip_norm=None, mesh=None, param_specs=None):
-        seen.append(clip_norm)
-        return optax.sgd(learning_rate)
-
-    optimizers.make_optimizer(schedule, factory=factory, clip_norm=0.5)
-    assert seen == [0.5]
 
 
 def test_configs_dir_is_the_repository_configs():

@@ -71,9 +71,8 @@ _SCAN_MIN_ROWS = 8
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
 SCAN_AHEAD = 1
 _MAX_SIZE = 2**31 - 1
-# The numbers of ``pointwise.Hyper``, the bias corrections and the gradient's scale (global-norm
-# clipping's factor), packed into one input array (8 numbers: a power of 2, as Triton's blocks).
-_SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2", "grad_scale")
+# The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
+_SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
 
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -235,18 +234,13 @@ def _across_chunks(i, c, shape: tuple[int, ...], rows: int, step: int) -> tuple:
     return offset, exists, slot * num_cols + offset % num_cols
 
 
-def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple, Callable]:
-    """``pointwise.Hyper``, the bias corrections and ``scaled(raw)`` (``raw`` with its gradient
-    times the gradient's scale) from the kernels' scalar input."""
+def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
+    """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input."""
     values = {name: scalars_ref[k] for k, name in enumerate(_SCALARS)}
     hyper = pointwise.Hyper(
         **{k: values[k] for k in _SCALARS[:5]}, graft=graft, precondition_1d=True
     )
-
-    def scaled(raw: pointwise.Raw) -> pointwise.Raw:
-        return raw._replace(g=raw.g * values["grad_scale"])
-
-    return hyper, (values["bc1"], values["bc2"]), scaled
+    return hyper, (values["bc1"], values["bc2"])
 
 
 def _write_parts(parts_ref, i, j, pairs) -> None:
@@ -321,7 +315,7 @@ def _scan_kernel(
     i, j = pl.program_id(0), pl.program_id(1)
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
-    hyper, corrections, scaled = _numbers(scalars_ref, graft)
+    hyper, corrections = _numbers(scalars_ref, graft)
     compute = d_ref.dtype
     first, last = _chunk_rows(i, rows, num_rows)
     above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
@@ -335,13 +329,11 @@ def _scan_kernel(
         """Row ``r``'s raw values and edge statistic (zeros past the chunk's last row)."""
         at, mask = r * num_cols + c, in_cols & (r <= last)
         raw = pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
-        return scaled(raw), read(e_ref, at, mask)
+        return raw, read(e_ref, at, mask)
 
     def halo_row(at, halo, mask) -> pointwise.Raw:
-        return scaled(
-            pointwise.Raw(
-                read(g_ref, at, mask), read(halo_m, m0 + halo, mask), read(halo_d, d0 + halo, mask)
-            )
+        return pointwise.Raw(
+            read(g_ref, at, mask), read(halo_m, m0 + halo, mask), read(halo_d, d0 + halo, mask)
         )
 
     def vertex(raw):
@@ -399,7 +391,7 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     in_cols = c < num_cols
     valid = (r < num_rows) & in_cols
     offset = r * num_cols + c
-    hyper, corrections, scaled = _numbers(scalars_ref, graft)
+    hyper, corrections = _numbers(scalars_ref, graft)
     compute = d_ref.dtype
 
     def read(ref, at, mask):
@@ -408,7 +400,7 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
     def here(ref):
         return read(ref, offset, valid)
 
-    raw = scaled(pointwise.Raw(here(g_ref), here(m_ref), here(d_ref)))
+    raw = pointwise.Raw(here(g_ref), here(m_ref), here(d_ref))
     outputs = [(m_out, "m"), (d_out, "d")]
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
@@ -432,20 +424,16 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
         halo_m, halo_d, halo_e = halo_refs
         m0, d0, e0 = (starts_ref[k] for k in range(3))
         at = {
-            -1: scaled(
-                pointwise.Raw(
-                    up(g_ref, g_ref, above),
-                    up(m_ref, halo_m, m0 + halo_above),
-                    up(d_ref, halo_d, d0 + halo_above),
-                )
+            -1: pointwise.Raw(
+                up(g_ref, g_ref, above),
+                up(m_ref, halo_m, m0 + halo_above),
+                up(d_ref, halo_d, d0 + halo_above),
             ),
             0: raw,
-            1: scaled(
-                pointwise.Raw(
-                    down(g_ref, g_ref, below),
-                    down(m_ref, halo_m, m0 + halo_below),
-                    down(d_ref, halo_d, d0 + halo_below),
-                )
+            1: pointwise.Raw(
+                down(g_ref, g_ref, below),
+                down(m_ref, halo_m, m0 + halo_below),
+                down(d_ref, halo_d, d0 + halo_below),
             ),
         }
         e_here, e_up = here(e_ref), up(e_ref, halo_e, e0 + halo_above)
@@ -473,12 +461,8 @@ def leaf_update(
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
     halos: tuple[Halo, Halo, Halo] | None = None,
-    grad_scale: Any = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
-    """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step on ``grad_scale * g``.
-
-    ``grad_scale`` is a scalar (global-norm clipping's factor, ``sonew``'s ``clip_norm``) the
-    kernels multiply ``g`` by as they read it: the clipped gradient is never written to memory.
+    """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
 
     ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``tile`` is
     ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
@@ -500,8 +484,8 @@ def leaf_update(
         raise ValueError(f"scan kernel: {cols} columns for 32 x {num_warps} lanes (one each)")
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
-    numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + [*corrections, grad_scale]
-    scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
+    numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
+    scalars = jnp.stack([jnp.asarray(x, compute) for x in [*numbers, 0]])
     state = [m, d] + ([e[0]] if band else [])
     if band:
         halos = halos or gather_halos(state, rows, interpret=interpret)

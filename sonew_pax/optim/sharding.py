@@ -82,7 +82,7 @@ def sharded_step(
     kernels, whose outputs carry no such type.
     """
 
-    def step(updates, m, d, e, ratio, corrections, grad_scale):
+    def step(updates, m, d, e, ratio, corrections):
         specs = jax.tree.map(lambda s: P() if s is None else s, param_specs, is_leaf=_is_spec)
         try:
             paths_and_specs = jax.tree.map_with_path(
@@ -107,13 +107,13 @@ def sharded_step(
             is_leaf=_is_spec,
         )
         local = jax.shard_map(
-            lambda u, mi, di, ei, ri, c, scale: tree_step(u, mi, di, ei, ri, c, scale, layouts),
+            lambda u, mi, di, ei, ri, c: tree_step(u, mi, di, ei, ri, c, layouts),
             mesh=mesh,
-            in_specs=(specs, specs, specs, e_specs, P(), (P(), P()), P()),
+            in_specs=(specs, specs, specs, e_specs, P(), (P(), P())),
             out_specs=(specs, specs, specs, e_specs, P()),
             check_vma=check_vma,
         )
-        return local(updates, m, d, e, ratio, corrections, grad_scale)
+        return local(updates, m, d, e, ratio, corrections)
 
     return step
 

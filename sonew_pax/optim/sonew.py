@@ -202,10 +202,8 @@ def _leaf_step(
     layout: ChainLayout,
     kernels: bool,
     halos: tuple[fused.Halo, fused.Halo, fused.Halo] | None = None,
-    grad_scale: Any = 1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
-    """One tensor's SONew step (module docstring) on ``grad_scale * g``, before grafting:
-    ``(u, m, d, e, graft)``.
+    """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
 
     With ``kernels`` (:func:`_kernels_enabled`) bands 0 and 1 of a tensor whole on its device run
     as the Pallas kernels (band 1 with its state's ``halos``, :func:`_halos`), everything else on
@@ -216,8 +214,7 @@ def _leaf_step(
     / ||u||`` (a scalar); from the kernels their per-tile norm pairs ``(tiles, 4)``, which
     :func:`_graft_ratios` merges for all tensors of a shape at once.
     """
-    # d's dtype (stats_dtype) is the arithmetic's; the kernels scale g as they read it.
-    raw = Raw(g.astype(d.dtype) * grad_scale, m, d)
+    raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
@@ -225,9 +222,7 @@ def _leaf_step(
     band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
     if _on_kernel(kernels, layout, band, hyper):
         interpret = _interpret()
-        return fused.leaf_update(
-            g, m, d, e, corrections, hyper, interpret=interpret, halos=halos, grad_scale=grad_scale
-        )
+        return fused.leaf_update(g, m, d, e, corrections, hyper, interpret=interpret, halos=halos)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     ratio = None if grafting is None else _graft_ratio(grafting)
@@ -284,15 +279,6 @@ def _graft_ratios(grafts: list[jax.Array | None]) -> list[jax.Array | None]:
     return ratios
 
 
-def _clip_scale(updates: optax.Updates, clip_norm: Any, dtype: Any) -> jax.Array:
-    """Global-norm clipping's factor ``min(1, clip_norm / ||g||)`` (``||g||`` over all tensors,
-    as ``optax.clip_by_global_norm``), or 1 without ``clip_norm``."""
-    if clip_norm is None:
-        return jnp.ones([], dtype)
-    norm = optax.tree.norm(updates).astype(dtype)
-    return jnp.where(norm < clip_norm, 1, clip_norm / norm).astype(dtype)
-
-
 def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
     """``u`` scaled by this step's ``ratio``, or with ``graft_lag`` (``lagged`` a scalar) by the
     previous step's, returning this step's as the new lagged ratio: ``(u, lagged)``."""
@@ -319,7 +305,6 @@ def scale_by_sonew(
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
-    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -361,19 +346,12 @@ def scale_by_sonew(
         (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
         are unaffected. No loss on the autoencoder benchmark, but no faster either (module
         docstring).
-      clip_norm: clip the gradients to this global norm first: ``g * min(1, clip_norm / ||g||)``,
-        the same as ``optax.clip_by_global_norm(clip_norm)`` chained in front (to float
-        rounding). Inside, the Pallas kernels multiply ``g`` by the factor as they read it; in
-        front, the clipped gradients must be written to memory for the kernels (8 B/param more
-        per step). ``None``: no clipping.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``.
     """
     hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
     _validate(hyper, graft_lag, mesh, param_specs)
-    if isinstance(clip_norm, numbers.Real) and not float(clip_norm) > 0:
-        raise ValueError(f"clip_norm must be > 0 (or None: no clipping), got {clip_norm!r}.")
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
@@ -420,8 +398,7 @@ def scale_by_sonew(
         step = _make_step(hyper, mesh, param_specs, implementation)
         # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio.
         ratio = state.ratio if graft_lag else jax.tree.map(lambda _: optax.MaskedNode(), updates)
-        grad_scale = _clip_scale(updates, clip_norm, stats_dtype)
-        u, m, d, e, ratio = step(updates, state.m, state.d, state.e, ratio, corrections, grad_scale)
+        u, m, d, e, ratio = step(updates, state.m, state.d, state.e, ratio, corrections)
         if not graft_lag:
             return u, ScaleBySONewState(count, m, d, e)
         return u, ScaleBySONewLagState(count, m, d, e, ratio)
@@ -430,16 +407,15 @@ def scale_by_sonew(
 
 
 def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -> Callable:
-    """The whole-tree step ``(updates, m, d, e, ratio, corrections, grad_scale) -> (u, m, d, e,
-    ratio)``."""
+    """The whole-tree step ``(updates, m, d, e, ratio, corrections) -> (u, m, d, e, ratio)``."""
     kernels = _kernels_enabled(implementation, mesh)
 
-    def tree_step(updates, m, d, e, ratio, corrections, grad_scale, layouts):
+    def tree_step(updates, m, d, e, ratio, corrections, layouts):
         treedef = jax.tree.structure(updates)
         leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
         halos = _halos(leaves[1], leaves[2], leaves[3], leaves[5], hyper, kernels)
         steps = [
-            _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels, halo, grad_scale)
+            _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels, halo)
             for g, mi, di, ei, _, lay, halo in zip(*leaves, halos, strict=True)
         ]
         ratios = _graft_ratios([step[4] for step in steps])
@@ -452,9 +428,9 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
 
     if mesh is None:
 
-        def step(updates, m, d, e, ratio, corrections, grad_scale):
+        def step(updates, m, d, e, ratio, corrections):
             layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
-            return tree_step(updates, m, d, e, ratio, corrections, grad_scale, layouts)
+            return tree_step(updates, m, d, e, ratio, corrections, layouts)
 
         return step
 
@@ -485,7 +461,6 @@ def sonew(
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
-    clip_norm: float | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -519,7 +494,6 @@ def sonew(
             offdiag_dtype=offdiag_dtype,
             implementation=implementation,
             graft_lag=graft_lag,
-            clip_norm=clip_norm,
         ),
         optax.add_decayed_weights(weight_decay, mask),
         optax.scale_by_learning_rate(learning_rate),
