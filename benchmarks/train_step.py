@@ -22,7 +22,9 @@ Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 "pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s",
 "loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch);
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
-``kernels`` and the largest kernel ``families`` of ``N`` traced steps (``profile_update.py``).
+``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
+(``profile_update.py``; ``results/train_step_families.json`` keeps them all: ``--profile_families
+400``).
 SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels).
 
 Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
@@ -162,7 +164,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             profile = {
                 "busy_ms": summary["busy_ms"],
                 "kernels": summary["kernels"],
-                "families": summary["families"][:PROFILE_FAMILIES],
+                "families": summary["families"][: args.profile_families],
             }
     return {
         "optimizer": name,
@@ -203,6 +205,8 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
         str(args.iters),
         "--profile_steps",
         str(args.profile_steps),
+        "--profile_families",
+        str(args.profile_families),
         "--mesh_data",
         str(args.mesh_data),
         "--mesh_model",
@@ -264,8 +268,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=common.int_at_least(0),
         default=0,
         help="after timing, trace this many steps with jax.profiler and add the device's kernel "
-        f"time per step (busy_ms), kernel count and top {PROFILE_FAMILIES} kernel families to "
-        "each row (profile_update.py's summary)",
+        "time per step (busy_ms), kernel count and the top --profile_families kernel families "
+        "to each row (profile_update.py's summary)",
+    )
+    p.add_argument(
+        "--profile_families",
+        type=common.int_at_least(1),
+        default=PROFILE_FAMILIES,
+        help="kernel families kept per row with --profile_steps, the largest first",
     )
     p.add_argument(
         "--unsharded_optimizer",

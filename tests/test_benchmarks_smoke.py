@@ -146,6 +146,8 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "1",
             "--profile_steps",
             "2",
+            "--profile_families",
+            "50",
         ]
     )
     child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
@@ -159,6 +161,7 @@ def test_train_step_child_argv_round_trips(tmp_path):
         "warmup",
         "iters",
         "profile_steps",
+        "profile_families",
         "unsharded_optimizer",
     ):
         assert getattr(child, name) == getattr(args, name)
