@@ -5,8 +5,10 @@ Two parts, to find where an update's time goes:
 * **one tensor** (``--shape``, default 4096 x 4096 float32): the achieved bandwidth of a plain copy,
   of the whole jitted update (``optax.apply_updates(p, tx.update(g, s, p))``, params and state
   donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel alone
-  (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles. ``gbps`` counts the bytes
-  each one must move (kernel alone: read g, m, d (, e), write u, m, d (, e)).
+  (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles`` for band
+  0's kernel and band 1's tile kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns
+  must cover its lanes; band 1 runs ``fused.BAND1_KERNEL``). ``gbps`` counts the bytes each one
+  must move (kernel alone: read g, m, d (, e), write u, m, d (, e)).
 * **HLO** of the update of the ~335M LM-shaped set (``lm_shapes.py``): how many kernels the
   compiled program launches per optimizer (fusions, custom calls such as the Pallas kernel, and
   copies), since each launch costs a few microseconds and a copy costs a pass over memory.
@@ -36,8 +38,9 @@ import update_speed
 from sonew_pax.optim import fused, pointwise
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
-# (rows, cols, num_warps) of a program's tile, as ``--tiles`` spells them
+# (rows, cols, num_warps) of a program's tile, as ``--tiles`` and ``--scan_tiles`` spell them
 TILES = "16x64x4,16x64x8,8x64x4,8x128x4,8x128x8,16x128x8,32x64x8,32x32x4,16x32x2"
+SCAN_TILES = "16x256x2,8x256x2,32x256x2,8x128x1,16x128x1,16x512x4"
 UPDATES = "adamw,sonew_diag,sonew_diag_pallas,sonew_tridiag,sonew_tridiag_pallas"
 
 
@@ -113,7 +116,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tiles",
         type=parse_tiles,
         default=TILES,
-        help="kernel tiles, rows x cols x warps (powers of 2), comma-separated",
+        help="band 0's (and band 1's tile kernel's) tiles, rows x cols x warps (powers of 2), "
+        "comma-separated",
+    )
+    p.add_argument(
+        "--scan_tiles",
+        type=parse_tiles,
+        default=SCAN_TILES,
+        help="band 1's scan kernel tiles (fused.BAND1_KERNEL = 'scan'), as --tiles; "
+        "cols >= 32 x warps",
     )
     p.add_argument("--updates", default=UPDATES, help="whole updates to time (update_speed names)")
     p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
@@ -139,8 +150,9 @@ def main(argv=None) -> dict:
     updates = args.updates.split(",")
     for name in updates:
         add(f"update {name}", *time_update(name, shape, args))
-    for band in (0, 1):
-        for setting in args.tiles:
+    band1_tiles = args.scan_tiles if fused.BAND1_KERNEL == "scan" else args.tiles
+    for band, tiles in ((0, args.tiles), (1, band1_tiles)):
+        for setting in tiles:
             label = "tile {}x{} warps {}".format(*setting)
             add(f"kernel band{band} {label}", *time_kernel(band, setting, shape, args))
     hlo = []
