@@ -3,9 +3,9 @@
 Two parts, to find where an update's time goes:
 
 * **one tensor** (``--shape``, default 4096 x 4096 float32): the achieved bandwidth of a plain copy,
-  of the whole jitted update (``optax.apply_updates(p, tx.update(g, s, p))``, params and state
-  donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel alone
-  (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles`` for band
+  of the whole jitted update (``update_speed.make_update``: ``optim.apply_gradients``, params
+  and state donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel
+  alone (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles`` for band
   0's kernel and band 1's tile kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns
   must cover its lanes; band 1 runs ``fused.BAND1_KERNEL``). ``gbps`` counts the bytes each one
   must move (kernel alone: read g, m, d (, e), write u, m, d (, e)).

@@ -25,7 +25,9 @@ with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel ti
 ``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
 (``profile_update.py``; ``results/train_step_families.json`` keeps them all: ``--profile_families
 400``).
-SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels).
+SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels; the trainer
+applies through ``optim.apply_gradients``, so in ``*_lag_pallas`` rows the kernels write the
+parameters: the fused apply).
 
 Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
 """

@@ -1,8 +1,11 @@
 """Speed of one optimizer update on ~335M LM-shaped parameters: SONew against optax.adamw.
 
 What is timed: ``params, state = update(params, state, grads)`` where ``update`` is
-``optax.apply_updates(params, tx.update(grads, state, params))`` in one jitted function whose
-params and optimizer state are donated (updated in place). After ``--warmup`` untimed steps, each of
+``optim.apply_gradients(tx, grads, state, params)`` in one jitted function whose params and
+optimizer state are donated (updated in place): for AdamW and most SONew rows
+``optax.apply_updates(params, tx.update(grads, state, params))``; in the ``*_lag_pallas`` rows
+SONew's kernels write the parameters themselves (the fused apply: with ``graft_lag`` the graft
+ratio is known before the step). After ``--warmup`` untimed steps, each of
 ``--iters`` steps is timed to ``block_until_ready``; the median is reported. Then ``--iters``
 steps run back to back, waited on once (``pipelined_ms``, their mean): the host dispatches each
 while the device still works on the last, as in a training loop.
@@ -63,6 +66,13 @@ SONEW_VARIANTS = {
     },
     "sonew_diag_lag": {"band": 0, "graft_lag": True, **_XLA},
     "sonew_tridiag_lag": {"band": 1, "graft_lag": True, **_XLA},
+    "sonew_tridiag_bf16_lag": {
+        "band": 1,
+        "momentum_dtype": jnp.bfloat16,
+        "offdiag_dtype": jnp.bfloat16,
+        "graft_lag": True,
+        **_XLA,
+    },
 }
 # The variants the Pallas kernels serve, also with them ("<name>_pallas").
 PALLAS_VARIANTS = {
@@ -97,14 +107,14 @@ def make_optimizer(name: str) -> optax.GradientTransformation:
 
 
 def make_update(tx: optax.GradientTransformation, **jit_kwargs) -> Callable:
-    """Jitted ``(params, state, grads) -> (params, state)``, params and state donated.
+    """Jitted ``(params, state, grads) -> (params, state)`` (``optim.apply_gradients``), params and
+    state donated.
 
     ``jit_kwargs`` (e.g. ``in_shardings``, ``out_shardings``) go to ``jax.jit``.
     """
 
     def update(params, state, grads):
-        updates, state = tx.update(grads, state, params)
-        return optax.apply_updates(params, updates), state
+        return optim.apply_gradients(tx, grads, state, params)
 
     return jax.jit(update, donate_argnums=(0, 1), **jit_kwargs)
 

@@ -183,8 +183,9 @@ def make_optimizer(
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
 ) -> optax.GradientTransformation:
-    """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer."""
+    """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer,
+    keeping its fused apply (``optim.chain``)."""
     tx = factory(schedule, mesh=mesh, param_specs=param_specs)
     if clip_norm is None:
         return tx
-    return optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    return optim.chain(optax.clip_by_global_norm(clip_norm), tx)

@@ -24,7 +24,7 @@ from absl import logging
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sonew_pax import checkpoints, metrics, optimizers, partitioning, paths, train_state
+from sonew_pax import checkpoints, metrics, optim, optimizers, partitioning, paths, train_state
 from sonew_pax.models import Transformer, TransformerConfig
 from sonew_pax.train_state import TrainState
 
@@ -73,8 +73,8 @@ def make_train_step(
             return mean_loss(*weighted_cross_entropy(logits, batch["targets"], batch["weights"]))
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        # Where tx can apply itself (SONew), its kernels may write the parameters in place.
+        params, opt_state = optim.apply_gradients(tx, grads, state.opt_state, state.params)
         metrics = {
             "loss": loss,
             "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),

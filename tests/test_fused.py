@@ -6,6 +6,7 @@ compile it with Triton. Every comparison is against ``implementation="xla"``, it
 against the dense float64 reference in ``test_sonew_math.py``.
 """
 
+import functools
 import importlib
 import re
 
@@ -16,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import fused, sonew
+from sonew_pax.optim import apply_gradients, fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
@@ -343,18 +344,19 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch
     monkeypatch.setattr(module, "_interpret", lambda: False)
 
     params = {"mat": jnp.zeros((70, 130)), "mat2": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
-    tx = sonew(0.1, band=band, implementation="pallas")
-    state = tx.init(params)
-
-    def update(grads, state, params):
-        return tx.update(grads, state, params)
-
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    exported = export.export(jax.jit(update), platforms=("cuda",), disabled_checks=[check])
-    text = exported(params, state, params).mlir_module()
-    kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
     step = "scan" if kernel == "scan" else "step"
     expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band else set())
-    assert {name for _, name in kernels} == expected
-    assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}
-    assert [name for _, name in kernels].count(f"sonew_band{band}_{step}") == 1
+    # The optax update, and the fused apply (the kernels write the parameters: graft_lag).
+    for tx, call in (
+        (sonew(0.1, band=band, implementation="pallas"), lambda tx, g, s, p: tx.update(g, s, p)),
+        (sonew(0.1, band=band, implementation="pallas", graft_lag=True), apply_gradients),
+    ):
+        state = tx.init(params)
+        update = jax.jit(functools.partial(call, tx))
+        exported = export.export(update, platforms=("cuda",), disabled_checks=[check])
+        text = exported(params, state, params).mlir_module()
+        kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
+        assert {name for _, name in kernels} == expected
+        assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}
+        assert [name for _, name in kernels].count(f"sonew_band{band}_{step}") == 1

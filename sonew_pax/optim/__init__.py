@@ -12,12 +12,16 @@ from sonew_pax.optim.sonew import (
     scale_by_sonew,
     sonew,
 )
+from sonew_pax.optim.transform import GradientTransformationWithApply, apply_gradients, chain
 
 __all__ = [
     "DEFAULT_EPS",
     "DEFAULT_GAMMA",
+    "GradientTransformationWithApply",
     "ScaleBySONewLagState",
     "ScaleBySONewState",
+    "apply_gradients",
+    "chain",
     "scale_by_sonew",
     "sonew",
     "state_partition_specs",

@@ -71,8 +71,10 @@ _SCAN_MIN_ROWS = 8
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
 SCAN_AHEAD = 1
 _MAX_SIZE = 2**31 - 1
-# The numbers of ``pointwise.Hyper`` and the bias corrections, packed into one input array.
+# The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars, packed
+# into one input array (padded to a power of 2, as Triton's blocks must be).
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
+_APPLY_SCALARS = ("ratio", "decay", "scale")
 
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -234,6 +236,19 @@ def _across_chunks(i, c, shape: tuple[int, ...], rows: int, step: int) -> tuple:
     return offset, exists, slot * num_cols + offset % num_cols
 
 
+class Apply(NamedTuple):
+    """The fused apply of one tensor: the kernel writes ``params`` in place with
+    ``pointwise.apply_update(params, u, ratio, decay, scale)`` instead of writing ``u``.
+
+    ``ratio`` is the graft ratio known before the step (``graft_lag``'s, or 1 without grafting),
+    ``decay`` the weight decay and ``scale`` the factor of the sum (``-lr`` in ``sonew``)."""
+
+    params: jax.Array
+    ratio: Any
+    decay: Any
+    scale: Any
+
+
 def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
     """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input."""
     values = {name: scalars_ref[k] for k, name in enumerate(_SCALARS)}
@@ -241,6 +256,15 @@ def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
         **{k: values[k] for k in _SCALARS[:5]}, graft=graft, precondition_1d=True
     )
     return hyper, (values["bc1"], values["bc2"])
+
+
+def _output(scalars_ref, u, p):
+    """What the kernel writes in ``u``'s place: ``u``, or with the fused apply (``p`` read, not
+    ``None``) the new parameter (:class:`Apply`)."""
+    if p is None:
+        return u
+    ratio, decay, scale = (scalars_ref[len(_SCALARS) + k] for k in range(len(_APPLY_SCALARS)))
+    return pointwise.apply_update(p, u, ratio, decay, scale)
 
 
 def _write_parts(parts_ref, i, j, pairs) -> None:
@@ -289,17 +313,13 @@ def _scan_kernel(
     halo_d,
     halo_e,
     starts_ref,
-    u_ref,
-    m_out,
-    d_out,
-    e_out,
-    parts_ref,
-    *,
+    *refs,
     shape,
     graft,
     rows,
     cols,
     ahead,
+    apply,
 ):
     """Band 1 walking down a ``rows x cols`` block of the view one row at a time.
 
@@ -309,8 +329,11 @@ def _scan_kernel(
     are loaded while row ``r`` is computed: loading each row as it came, the walk waited on
     memory (the LM set's update took 18% more device time on an H100 than with ``ahead=1``). A
     lane writes only rows it has read, so no barrier is needed (``cols`` must cover the warps'
-    lanes: no lane's column is another's).
+    lanes: no lane's column is another's). With ``apply`` (:class:`Apply`) ``p_ref`` is read with
+    the other arrays and ``out_ref`` takes the new parameters, else ``u``.
     """
+    p_ref = refs[0] if apply else None
+    out_ref, m_out, d_out, e_out, parts_ref = refs[1:] if apply else refs
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
@@ -325,11 +348,13 @@ def _scan_kernel(
     def read(ref, at, mask):
         return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
 
-    def row(r) -> tuple[pointwise.Raw, jax.Array]:
-        """Row ``r``'s raw values and edge statistic (zeros past the chunk's last row)."""
+    def row(r) -> tuple[pointwise.Raw, jax.Array, jax.Array | None]:
+        """Row ``r``'s raw values, edge statistic and parameters (``None`` without ``apply``);
+        zeros past the chunk's last row."""
         at, mask = r * num_cols + c, in_cols & (r <= last)
         raw = pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
-        return raw, read(e_ref, at, mask)
+        p = None if p_ref is None else read(p_ref, at, mask)
+        return raw, read(e_ref, at, mask), p
 
     def halo_row(at, halo, mask) -> pointwise.Raw:
         return pointwise.Raw(
@@ -339,7 +364,7 @@ def _scan_kernel(
     def vertex(raw):
         return pointwise.vertex(raw, corrections, hyper)
 
-    raw_first, e_first = row(first)
+    raw_first, e_first, p_first = row(first)
     top = vertex(raw_first)
     e_above = read(halo_e, e0 + halo_above, above_ok)
     _, lower, z = pointwise.edge(
@@ -349,13 +374,13 @@ def _scan_kernel(
     zero = jnp.zeros((cols,), compute)
 
     def body(k, carry):
-        here, e_here, above, queue, pairs = carry
+        here, e_here, p_here, above, queue, pairs = carry
         r = first + k
         valid = in_cols & (r <= last)
         # Rows r + 1 ... r + ahead were loaded in earlier iterations; row r + ahead + 1 is loaded
         # now, so its latency hides behind arithmetic (the stores below may alias the loads:
         # nothing reorders them).
-        (raw_next, e_next), queue = queue[0], (*queue[1:], row(r + ahead + 1))
+        (raw_next, e_next, p_next), queue = queue[0], (*queue[1:], row(r + ahead + 1))
         next_raw = pointwise.Raw(
             *(jnp.where(r == last, b, x) for b, x in zip(below_raw, raw_next, strict=True))
         )
@@ -364,26 +389,30 @@ def _scan_kernel(
         u = here.scale * (z + above[0] * above[1])  # tridiagonal_step's expression
         adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
         at = r * num_cols + c
-        plgpu.store(u_ref.at[at], u.astype(u_ref.dtype), mask=valid)
-        for ref, x in ((m_out, here.m), (d_out, here.d), (e_out, e_new)):
+        out = _output(scalars_ref, u, p_here)
+        for ref, x in ((out_ref, out), (m_out, here.m), (d_out, here.d), (e_out, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
-        return after, e_next, (lower, z), queue, pairs
+        return after, e_next, p_next, (lower, z), queue, pairs
 
     queue = tuple(row(first + k) for k in range(1, ahead + 1))
     floor = jnp.full((cols,), _scale_floor(compute), compute)
-    init = (top, e_first, (lower, z), queue, ((floor, zero),) * 2)
+    init = (top, e_first, p_first, (lower, z), queue, ((floor, zero),) * 2)
     *_, pairs = jax.lax.fori_loop(0, rows, body, init)
     _write_parts(parts_ref, i, j, pairs)
 
 
-def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
-    """One ``rows x cols`` tile of the view: the step kernel of the module docstring."""
+def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply):
+    """One ``rows x cols`` tile of the view: the step kernel of the module docstring (with
+    ``apply``, reading ``p_ref`` and writing the new parameters in ``u``'s place)."""
+    inputs = (8 if band else 3) + apply
     if band:
         g_ref, m_ref, d_ref, e_ref, *halo_refs, starts_ref = refs[:8]
-        u_ref, m_out, d_out, e_out, parts_ref = refs[8:]
+        out_ref, m_out, d_out, e_out, parts_ref = refs[inputs:]
     else:
-        g_ref, m_ref, d_ref, u_ref, m_out, d_out, parts_ref = refs
+        g_ref, m_ref, d_ref = refs[:3]
+        out_ref, m_out, d_out, parts_ref = refs[inputs:]
+    p_ref = refs[inputs - 1] if apply else None
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
@@ -401,6 +430,7 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
         return read(ref, offset, valid)
 
     raw = pointwise.Raw(here(g_ref), here(m_ref), here(d_ref))
+    p = None if p_ref is None else here(p_ref)
     outputs = [(m_out, "m"), (d_out, "d")]
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
@@ -442,7 +472,8 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret):
             plgpu.debug_barrier()
         step = pointwise.tridiagonal_step(at, e_here, e_up, corrections, hyper)
         outputs.append((e_out, "e"))
-    plgpu.store(u_ref.at[offset], step.u.astype(u_ref.dtype), mask=valid)
+    out = _output(scalars_ref, step.u, p)
+    plgpu.store(out_ref.at[offset], out.astype(out_ref.dtype), mask=valid)
     for ref, name in outputs:
         plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
     ones = jnp.ones(valid.shape, compute)
@@ -461,6 +492,7 @@ def leaf_update(
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
     halos: tuple[Halo, Halo, Halo] | None = None,
+    apply: Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
 
@@ -476,6 +508,10 @@ def leaf_update(
 
     Band 1 reads the halo rows of ``(m, d, e)`` from ``halos`` (:func:`gather_halos`, which can
     gather those of a model's tensors in a few launches); default: gathered here.
+
+    With ``apply`` (:class:`Apply`) the kernel also reads the parameters and writes them in place,
+    updated with ``u``, and returns them in ``u``'s place: 36 B/param for fp32 tridiag, where
+    writing ``u`` for XLA to apply moves 44.
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     rows, cols, num_warps = tile or default_tile(band, g.shape)
@@ -485,7 +521,9 @@ def leaf_update(
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
-    scalars = jnp.stack([jnp.asarray(x, compute) for x in [*numbers, 0]])
+    numbers += [0] * len(_APPLY_SCALARS) if apply is None else list(apply[1:])
+    numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
+    scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
     state = [m, d] + ([e[0]] if band else [])
     if band:
         halos = halos or gather_halos(state, rows, interpret=interpret)
@@ -504,8 +542,11 @@ def leaf_update(
         "scan" if scan else "tile",
         SCAN_AHEAD if scan else None,
         interpret,
+        None if apply is None else jnp.dtype(apply.params.dtype),
     )
-    u, *new_state, parts = step(scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts)
+    params = [] if apply is None else [apply.params.reshape(-1)]
+    inputs = [scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts, *params]
+    u, *new_state, parts = step(*inputs)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
     parts = parts.reshape(-1, 4) if hyper.graft == "adam" else None
@@ -513,9 +554,12 @@ def leaf_update(
 
 
 @functools.cache
-def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret) -> Callable:
+def _step_call(
+    shape, graft, tile, state_dtypes, kernel, ahead, interpret, params_dtype
+) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"tile"``, or ``"scan"`` loading ``ahead`` rows ahead)
-    for one static configuration (band 1 when ``state_dtypes`` holds ``e``'s), jitted and cached:
+    for one static configuration (band 1 when ``state_dtypes`` holds ``e``'s; with the fused
+    apply when ``params_dtype`` is the parameters' dtype, not ``None``), jitted and cached:
     the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
     program instead of once per tensor, and whose Triton module the program holds once (the LM
     set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
@@ -525,10 +569,16 @@ def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret) -> Ca
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
     size, compute = math.prod(shape), state_dtypes[1]
-    outputs = [jax.ShapeDtypeStruct((size,), compute)]
+    apply = params_dtype is not None
+    outputs = [jax.ShapeDtypeStruct((size,), params_dtype if apply else compute)]
     outputs += [jax.ShapeDtypeStruct((size,), dtype) for dtype in state_dtypes]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
-    static = dict(shape=shape, graft=graft, rows=rows, cols=cols)
+    # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
+    # parameters' (the last input) with ``apply``.
+    aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
+    if apply:
+        aliases[2 + len(state_dtypes) + (4 if band else 0)] = 0
+    static = dict(shape=shape, graft=graft, rows=rows, cols=cols, apply=apply)
     if kernel == "scan":
         body, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
     else:
@@ -538,7 +588,7 @@ def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret) -> Ca
         _bind(body, name, **static),
         grid=grid,
         out_shape=outputs,
-        input_output_aliases={2 + k: 1 + k for k in range(len(state_dtypes))},
+        input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
         name=name,

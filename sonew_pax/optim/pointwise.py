@@ -131,3 +131,10 @@ def tridiagonal_step(
     _, lower_prev, z_prev = edge(e_before, v[-1], v[0], corrections, hyper)
     u = v[0].scale * (z + lower_prev * z_prev)
     return Step(adam_direction(v[0].m, v[0].d, corrections, hyper), u, v[0].m, v[0].d, e_next)
+
+
+def apply_update(p: jax.Array, u: jax.Array, ratio: Any, decay: Any, scale: Any) -> jax.Array:
+    """The parameter after one step, ``p + (ratio u + decay p) scale``: what
+    ``optax.apply_updates`` makes of ``sonew``'s update (the grafted direction ``ratio u``,
+    decoupled weight decay ``decay``, ``scale = -lr``), for the fused apply."""
+    return p + (ratio * u + decay * p) * scale

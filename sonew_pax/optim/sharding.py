@@ -79,10 +79,12 @@ def sharded_step(
     """Wraps SONew's whole-tree step in ``jax.shard_map`` over ``mesh`` with ``param_specs``.
 
     ``check_vma`` is shard_map's varying-axes type check; SONew turns it off only for its Pallas
-    kernels, whose outputs carry no such type.
+    kernels, whose outputs carry no such type. With the fused apply (``apply``: the parameters, the
+    scalar ``scale`` and static per-parameter ``decay``) the parameters are sharded like the
+    gradients and the step returns them in place of ``u``.
     """
 
-    def step(updates, m, d, e, ratio, corrections):
+    def step(updates, m, d, e, ratio, corrections, apply=None):
         specs = jax.tree.map(lambda s: P() if s is None else s, param_specs, is_leaf=_is_spec)
         try:
             paths_and_specs = jax.tree.map_with_path(
@@ -106,14 +108,24 @@ def sharded_step(
             e,
             is_leaf=_is_spec,
         )
-        local = jax.shard_map(
-            lambda u, mi, di, ei, ri, c: tree_step(u, mi, di, ei, ri, c, layouts),
+        inputs = [updates, m, d, e, ratio, corrections]
+        in_specs = [specs, specs, specs, e_specs, P(), (P(), P())]
+        if apply is not None:
+            inputs += [apply.params, apply.scale]
+            in_specs += [specs, P()]
+
+        def local(u, mi, di, ei, ri, c, *applied):
+            # The decays are static: they stay out of shard_map's arguments.
+            here = apply._replace(params=applied[0], scale=applied[1]) if applied else None
+            return tree_step(u, mi, di, ei, ri, c, layouts, here)
+
+        return jax.shard_map(
+            local,
             mesh=mesh,
-            in_specs=(specs, specs, specs, e_specs, P(), (P(), P())),
+            in_specs=tuple(in_specs),
             out_specs=(specs, specs, specs, e_specs, P()),
             check_vma=check_vma,
-        )
-        return local(updates, m, d, e, ratio, corrections)
+        )(*inputs)
 
     return step
 

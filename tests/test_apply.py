@@ -1,0 +1,240 @@
+"""The fused apply: ``tx.apply`` (``optim.apply_gradients``) equals ``tx.update`` followed by
+``optax.apply_updates``, on the XLA path, in the kernels (Pallas' interpreter on CPU), sharded, in
+a chain behind gradient clipping and in the trainer's step.
+
+The reference is the optax path of the same optimizer, itself checked against the dense float64
+reference in ``test_sonew_math.py`` and ``test_graft_lag.py``.
+"""
+
+import copy
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+
+from sonew_pax import optim, optimizers, trainer
+from sonew_pax.models import Transformer, TransformerConfig
+from sonew_pax.optim import fused
+from sonew_pax.train_state import TrainState
+from tests.test_sonew_sharded import case, make_mesh
+
+SHAPES = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (33,)}  # "bias": 1-D, Adam's direction
+SCHEDULE = optax.linear_schedule(0.1, 0.01, 10)
+
+
+def _matrices(params):
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+def _problem(shapes, steps=4, seed=0, dtype=jnp.float64):
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
+    grads = [
+        {
+            k: jnp.asarray(rng.normal(size=s) * rng.uniform(0.1, 10), dtype)
+            for k, s in shapes.items()
+        }
+        for _ in range(steps)
+    ]
+    return params, grads
+
+
+def _optax_step(tx):
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def _apply_step(tx):
+    return lambda params, state, grads: optim.apply_gradients(tx, grads, state, params)
+
+
+def _both_paths(tx, params, grads_seq, place=lambda tree: tree, place_state=lambda state: state):
+    """``(params, state)`` after ``grads_seq`` through ``update`` + ``optax.apply_updates`` and
+    through ``optim.apply_gradients`` (each jitted once); ``place`` puts parameter-shaped trees
+    and ``place_state`` the state on devices."""
+    results = []
+    for step in (_optax_step(tx), _apply_step(tx)):
+        step = jax.jit(step)
+        p, s = place(params), place_state(tx.init(params))
+        for g in grads_seq:
+            p, s = step(p, s, place(g))
+        results.append((p, s))
+    return results
+
+
+def _assert_close(expect, got, rtol):
+    for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert np.linalg.norm(b - a) <= rtol * np.linalg.norm(a) + 1e-300, (a.shape, rtol)
+
+
+@pytest.fixture
+def kernel_spy(monkeypatch):
+    """Records, per ``fused.leaf_update`` call, whether the kernel was given the parameters."""
+    calls = []
+    leaf_update = fused.leaf_update
+
+    def spy(*args, apply=None, **kwargs):
+        calls.append(apply is not None)
+        return leaf_update(*args, apply=apply, **kwargs)
+
+    monkeypatch.setattr(fused, "leaf_update", spy)
+    return calls
+
+
+# graft_lag and no grafting write the parameters in the kernels; the step's own graft ratio
+# (the default) makes the kernels write u, which XLA applies.
+GRAFTS = {"lag": dict(graft_lag=True), "none": dict(graft="none"), "exact": dict()}
+
+
+# Band 0, band 1's scan kernel (the default) and its tile kernel.
+@pytest.mark.parametrize(
+    "band, kernel, graft",
+    [
+        (0, "scan", "lag"),
+        (1, "scan", "lag"),
+        (1, "tile", "lag"),
+        (1, "scan", "none"),
+        (1, "scan", "exact"),
+    ],
+)
+def test_kernel_apply_equals_update_then_apply_updates(
+    x64, band, kernel, graft, monkeypatch, kernel_spy
+):
+    monkeypatch.setattr(fused, "BAND1_KERNEL", kernel)
+    monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
+    params, grads = _problem(SHAPES)
+    kwargs = dict(band=band, weight_decay=0.1, mask=_matrices, stats_dtype=jnp.float64)
+    tx = optim.sonew(SCHEDULE, implementation="pallas", **kwargs, **GRAFTS[graft])
+    (expect_p, expect_s), (got_p, got_s) = _both_paths(tx, params, grads)
+    _assert_close(expect_p, got_p, 1e-13)
+    _assert_close(expect_s, got_s, 1e-13)
+    moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got_p, params)
+    assert min(moved.values()) > 1e-3  # every tensor stepped (the bias by Adam's direction, on XLA)
+    # Traced once per path, two preconditioned tensors each: the kernels had the parameters
+    # exactly where the graft ratio was known before the step.
+    assert kernel_spy == [False, False] + [graft != "exact"] * 2
+
+
+def test_kernel_apply_with_bf16_parameters(monkeypatch):
+    """bf16 parameters and gradients, float32 statistics: the kernel rounds ``p + (r u + decay p)
+    scale`` once, where optax rounds the update to bf16 first and then the sum: the paths may
+    differ by a bf16 rounding (0.4%) in a few elements."""
+    monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
+    params, grads = _problem({"mat": (70, 130)}, dtype=jnp.bfloat16)
+    tx = optim.sonew(1e-2, implementation="pallas", graft_lag=True, weight_decay=0.1)
+    (expect_p, expect_s), (got_p, got_s) = _both_paths(tx, params, grads)
+    _assert_close(expect_p, got_p, 1e-2)
+    _assert_close(expect_s, got_s, 1e-5)
+    assert got_p["mat"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("graft", ["lag", "exact"])
+def test_xla_apply_equals_update_then_apply_updates(x64, graft):
+    params, grads = _problem(SHAPES)
+    kwargs = dict(band=1, weight_decay=0.1, mask=_matrices, stats_dtype=jnp.float64)
+    tx = optim.sonew(SCHEDULE, implementation="xla", **kwargs, **GRAFTS[graft])
+    (expect_p, expect_s), (got_p, got_s) = _both_paths(tx, params, grads)
+    _assert_close(expect_p, got_p, 1e-14)
+    _assert_close(expect_s, got_s, 1e-14)
+
+
+def test_sharded_apply_equals_unsharded(x64):
+    """Every sharding pattern of ``test_sonew_sharded``; the compiled sharded apply moves halos
+    and norms only (no all-gather, no all-to-all)."""
+    mesh = make_mesh((2, 4))
+    params, specs = case((2, 4))
+    grads = _problem({k: p.shape for k, p in params.items()}, steps=3, seed=1)[1]
+    kwargs = dict(band=1, graft_lag=True, weight_decay=0.1, stats_dtype=jnp.float64)
+    expect = _both_paths(optim.sonew(SCHEDULE, **kwargs), params, grads)[1]
+
+    def put(tree, tree_specs):
+        return jax.tree.map(
+            lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, tree_specs
+        )
+
+    tx = optim.sonew(SCHEDULE, mesh=mesh, param_specs=specs, **kwargs)
+    state = tx.init(params)
+    state_specs = optim.state_partition_specs(state, specs)
+    got = _both_paths(tx, params, grads, lambda t: put(t, specs), lambda s: put(s, state_specs))
+    for paths in got:
+        _assert_close(expect[0], paths[0], 1e-12)
+        _assert_close(expect[1], paths[1], 1e-12)
+    for x, spec in zip(jax.tree.leaves(got[1][0]), jax.tree.leaves(specs), strict=True):
+        assert x.sharding.is_equivalent_to(NamedSharding(mesh, spec), x.ndim)
+    apply = jax.jit(_apply_step(tx))
+    text = apply.lower(put(params, specs), put(state, state_specs), put(params, specs))
+    text = text.compile().as_text()
+    assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_chain_keeps_the_last_apply(x64):
+    params, grads = _problem(SHAPES, steps=3)
+    sonew = optim.sonew(0.1, graft_lag=True, stats_dtype=jnp.float64)
+    tx = optim.chain(optax.clip_by_global_norm(1.0), sonew)
+    assert isinstance(tx, optim.GradientTransformationWithApply)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    (expect_p, expect_s), (got_p, got_s) = _both_paths(tx, params, grads)
+    _assert_close(expect_p, got_p, 1e-14)
+    _assert_close(expect_s, got_s, 1e-14)
+    # A chain whose last transformation cannot apply itself is optax.chain's: apply_gradients
+    # then updates and applies the updates.
+    plain = optim.chain(optim.sonew(0.1), optax.scale(0.5))
+    assert getattr(plain, "apply", None) is None
+    (expect_p, _), (got_p, _) = _both_paths(plain, params, grads)
+    _assert_close(expect_p, got_p, 0)
+
+
+def test_transformation_with_apply_is_an_optax_transformation():
+    tx = optim.sonew(0.1)
+    init, update = tx  # unpacks as an optax transformation: two functions
+    assert (init, update) == (tx.init, tx.update)
+    for clone in (copy.copy(tx), copy.deepcopy(tx)):
+        assert type(clone) is type(tx) and clone.apply is tx.apply
+
+
+def test_trainer_step_applies_through_the_fused_apply():
+    """The trainer's step with SONew's apply (behind make_optimizer's clipping) equals the same
+    step through optax's update and apply_updates. float32 matmuls at full precision: on a GPU
+    TF32's rounding of the inputs turns the paths' float32 differences (1e-7) into 1e-3."""
+    config = TransformerConfig(
+        vocab_size=64, d_model=32, num_layers=1, num_heads=4, head_dim=8, mlp_dim=48, max_len=16
+    )
+    model = Transformer(config)
+    tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, 64, dtype=jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((2, 12))}
+    params = nn.unbox(model.init(jax.random.key(1), batch["inputs"]))["params"]
+    schedule = optax.constant_schedule(1e-2)
+    factory = lambda lr, **kw: optimizers.sonew(lr, graft_lag=True, weight_decay=0.1, **kw)  # noqa: E731
+    tx = optimizers.make_optimizer(schedule, factory=factory, clip_norm=1.0)
+    assert isinstance(tx, optim.GradientTransformationWithApply)
+    without_apply = optax.GradientTransformationExtraArgs(tx.init, tx.update)
+    states = []
+    for t in (tx, without_apply):
+        step = jax.jit(trainer.make_train_step(model, t, schedule, seed=0))
+        state = TrainState(jnp.zeros([], jnp.int32), params, t.init(params))
+        with jax.default_matmul_precision("float32"):
+            for _ in range(3):
+                state, _ = step(state, batch)
+        states.append(state)
+    _assert_close(states[1].params, states[0].params, 1e-6)
+    _assert_close(states[1].opt_state, states[0].opt_state, 1e-6)
+    assert int(states[0].step) == 3
+
+
+def test_apply_gradients_of_a_plain_optax_transformation():
+    params, grads = _problem({"w": (4, 3)}, steps=1, dtype=jnp.float32)
+    tx = optax.adamw(0.1)
+    state = tx.init(params)
+    got, got_state = optim.apply_gradients(tx, grads[0], state, params)
+    updates, expect_state = tx.update(grads[0], state, params)
+    _assert_close(optax.apply_updates(params, updates), got, 0)
+    _assert_close(expect_state, got_state, 0)
