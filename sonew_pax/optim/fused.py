@@ -71,10 +71,11 @@ _SCAN_MIN_ROWS = 8
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
 SCAN_AHEAD = 1
 _MAX_SIZE = 2**31 - 1
-# The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars, packed
-# into one input array (padded to a power of 2, as Triton's blocks must be).
+# The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
+# all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
+# the same array for every tensor of an update, which XLA builds once.
 _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
-_APPLY_SCALARS = ("ratio", "decay", "scale")
+_APPLY_SCALARS = ("weight_decay", "scale")
 
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -238,15 +239,19 @@ def _across_chunks(i, c, shape: tuple[int, ...], rows: int, step: int) -> tuple:
 
 class Apply(NamedTuple):
     """The fused apply of one tensor: the kernel writes ``params`` in place with
-    ``pointwise.apply_update(params, u, ratio, decay, scale)`` instead of writing ``u``.
+    ``pointwise.apply_update(params, u, ratio, decay, scale)`` instead of writing ``u``, where
+    ``decay`` is ``weight_decay`` if ``decayed`` else 0.
 
-    ``ratio`` is the graft ratio known before the step (``graft_lag``'s, or 1 without grafting),
-    ``decay`` the weight decay and ``scale`` the factor of the sum (``-lr`` in ``sonew``)."""
+    ``ratio`` is the graft ratio known before the step (a scalar array: ``graft_lag``'s, or 1
+    without grafting), the kernel's own input, which XLA passes without a copy; ``weight_decay``
+    and ``scale`` (the factor of the sum, ``-lr`` in ``sonew``) are the same for every tensor;
+    ``decayed`` is static."""
 
     params: jax.Array
     ratio: Any
-    decay: Any
+    weight_decay: Any
     scale: Any
+    decayed: bool
 
 
 def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
@@ -258,13 +263,14 @@ def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
     return hyper, (values["bc1"], values["bc2"])
 
 
-def _output(scalars_ref, u, p):
+def _output(scalars_ref, ratio_ref, u, p, decayed: bool):
     """What the kernel writes in ``u``'s place: ``u``, or with the fused apply (``p`` read, not
     ``None``) the new parameter (:class:`Apply`)."""
     if p is None:
         return u
-    ratio, decay, scale = (scalars_ref[len(_SCALARS) + k] for k in range(len(_APPLY_SCALARS)))
-    return pointwise.apply_update(p, u, ratio, decay, scale)
+    weight_decay, scale = (scalars_ref[len(_SCALARS) + k] for k in range(len(_APPLY_SCALARS)))
+    decay = weight_decay if decayed else 0
+    return pointwise.apply_update(p, u, ratio_ref[0], decay, scale)
 
 
 def _write_parts(parts_ref, i, j, pairs) -> None:
@@ -320,6 +326,7 @@ def _scan_kernel(
     cols,
     ahead,
     apply,
+    decayed,
 ):
     """Band 1 walking down a ``rows x cols`` block of the view one row at a time.
 
@@ -332,8 +339,8 @@ def _scan_kernel(
     lanes: no lane's column is another's). With ``apply`` (:class:`Apply`) ``p_ref`` is read with
     the other arrays and ``out_ref`` takes the new parameters, else ``u``.
     """
-    p_ref = refs[0] if apply else None
-    out_ref, m_out, d_out, e_out, parts_ref = refs[1:] if apply else refs
+    p_ref, ratio_ref = refs[:2] if apply else (None, None)
+    out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
@@ -389,7 +396,7 @@ def _scan_kernel(
         u = here.scale * (z + above[0] * above[1])  # tridiagonal_step's expression
         adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
         at = r * num_cols + c
-        out = _output(scalars_ref, u, p_here)
+        out = _output(scalars_ref, ratio_ref, u, p_here, decayed)
         for ref, x in ((out_ref, out), (m_out, here.m), (d_out, here.d), (e_out, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
@@ -402,17 +409,17 @@ def _scan_kernel(
     _write_parts(parts_ref, i, j, pairs)
 
 
-def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply):
+def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply, decayed):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring (with
     ``apply``, reading ``p_ref`` and writing the new parameters in ``u``'s place)."""
-    inputs = (8 if band else 3) + apply
+    inputs = (8 if band else 3) + 2 * apply
     if band:
         g_ref, m_ref, d_ref, e_ref, *halo_refs, starts_ref = refs[:8]
         out_ref, m_out, d_out, e_out, parts_ref = refs[inputs:]
     else:
         g_ref, m_ref, d_ref = refs[:3]
         out_ref, m_out, d_out, parts_ref = refs[inputs:]
-    p_ref = refs[inputs - 1] if apply else None
+    p_ref, ratio_ref = refs[inputs - 2 : inputs] if apply else (None, None)
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
@@ -472,7 +479,7 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, 
             plgpu.debug_barrier()
         step = pointwise.tridiagonal_step(at, e_here, e_up, corrections, hyper)
         outputs.append((e_out, "e"))
-    out = _output(scalars_ref, step.u, p)
+    out = _output(scalars_ref, ratio_ref, step.u, p, decayed)
     plgpu.store(out_ref.at[offset], out.astype(out_ref.dtype), mask=valid)
     for ref, name in outputs:
         plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
@@ -521,7 +528,7 @@ def leaf_update(
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
-    numbers += [0] * len(_APPLY_SCALARS) if apply is None else list(apply[1:])
+    numbers += [0, 0] if apply is None else [apply.weight_decay, apply.scale]
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
     state = [m, d] + ([e[0]] if band else [])
@@ -542,10 +549,12 @@ def leaf_update(
         "scan" if scan else "tile",
         SCAN_AHEAD if scan else None,
         interpret,
-        None if apply is None else jnp.dtype(apply.params.dtype),
+        None if apply is None else (jnp.dtype(apply.params.dtype), bool(apply.decayed)),
     )
-    params = [] if apply is None else [apply.params.reshape(-1)]
-    inputs = [scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts, *params]
+    applied = []
+    if apply is not None:
+        applied = [apply.params.reshape(-1), jnp.asarray(apply.ratio, compute).reshape(1)]
+    inputs = [scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts, *applied]
     u, *new_state, parts = step(*inputs)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
@@ -554,12 +563,10 @@ def leaf_update(
 
 
 @functools.cache
-def _step_call(
-    shape, graft, tile, state_dtypes, kernel, ahead, interpret, params_dtype
-) -> Callable:
+def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret, apply) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"tile"``, or ``"scan"`` loading ``ahead`` rows ahead)
     for one static configuration (band 1 when ``state_dtypes`` holds ``e``'s; with the fused
-    apply when ``params_dtype`` is the parameters' dtype, not ``None``), jitted and cached:
+    apply when ``apply`` is the parameters' ``(dtype, decayed)``, not ``None``), jitted and cached:
     the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
     program instead of once per tensor, and whose Triton module the program holds once (the LM
     set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
@@ -569,16 +576,18 @@ def _step_call(
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
     size, compute = math.prod(shape), state_dtypes[1]
-    apply = params_dtype is not None
-    outputs = [jax.ShapeDtypeStruct((size,), params_dtype if apply else compute)]
+    params_dtype, decayed = apply or (compute, False)
+    outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
     outputs += [jax.ShapeDtypeStruct((size,), dtype) for dtype in state_dtypes]
     outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
     # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
-    # parameters' (the last input) with ``apply``.
+    # parameters' (after the halos, before the ratio) with ``apply``.
     aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
     if apply:
         aliases[2 + len(state_dtypes) + (4 if band else 0)] = 0
-    static = dict(shape=shape, graft=graft, rows=rows, cols=cols, apply=apply)
+    static = dict(
+        shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
+    )
     if kernel == "scan":
         body, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
     else:

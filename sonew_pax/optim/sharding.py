@@ -79,9 +79,9 @@ def sharded_step(
     """Wraps SONew's whole-tree step in ``jax.shard_map`` over ``mesh`` with ``param_specs``.
 
     ``check_vma`` is shard_map's varying-axes type check; SONew turns it off only for its Pallas
-    kernels, whose outputs carry no such type. With the fused apply (``apply``: the parameters, the
-    scalar ``scale`` and static per-parameter ``decay``) the parameters are sharded like the
-    gradients and the step returns them in place of ``u``.
+    kernels, whose outputs carry no such type. With the fused apply (``apply``: the parameters,
+    the scalars ``scale`` and ``weight_decay`` and static per-parameter flags ``decayed``) the
+    parameters are sharded like the gradients and the step returns them in place of ``u``.
     """
 
     def step(updates, m, d, e, ratio, corrections, apply=None):
@@ -111,13 +111,15 @@ def sharded_step(
         inputs = [updates, m, d, e, ratio, corrections]
         in_specs = [specs, specs, specs, e_specs, P(), (P(), P())]
         if apply is not None:
-            inputs += [apply.params, apply.scale]
-            in_specs += [specs, P()]
+            inputs += [apply.params, apply.scale, apply.weight_decay]
+            in_specs += [specs, P(), P()]
 
         def local(u, mi, di, ei, ri, c, *applied):
-            # The decays are static: they stay out of shard_map's arguments.
-            here = apply._replace(params=applied[0], scale=applied[1]) if applied else None
-            return tree_step(u, mi, di, ei, ri, c, layouts, here)
+            # The flags are static: they stay out of shard_map's arguments.
+            if applied:
+                params, scale, weight_decay = applied
+                applied = apply._replace(params=params, scale=scale, weight_decay=weight_decay)
+            return tree_step(u, mi, di, ei, ri, c, layouts, applied or None)
 
         return jax.shard_map(
             local,

@@ -313,7 +313,7 @@ def _ratio_before_step(hyper: Hyper, lagged: Any) -> Any:
 
 
 def _kernel_apply(
-    apply: _Apply | None, p, decay, e, lagged, hyper: Hyper, layout: ChainLayout, kernels: bool
+    apply: _Apply | None, p, decayed, e, lagged, hyper: Hyper, layout: ChainLayout, kernels: bool
 ) -> fused.Apply | None:
     """The ``fused.Apply`` of a tensor whose kernel writes its parameters: one on the kernels whose
     graft ratio is known before the step (:func:`_ratio_before_step`); else ``None``."""
@@ -323,16 +323,18 @@ def _kernel_apply(
     ratio = _ratio_before_step(hyper, lagged)
     if ratio is None or not _on_kernel(kernels, layout, band, hyper):
         return None
-    return fused.Apply(p, ratio, decay, apply.scale)
+    return fused.Apply(p, ratio, apply.weight_decay, apply.scale, decayed)
 
 
 class _Apply(NamedTuple):
     """What the fused apply adds to the whole-tree step: ``params <- params + (u + decay params)
-    scale`` (``decay``: a float per parameter, static; ``scale``: a scalar array)."""
+    scale`` with ``decay = weight_decay`` where ``decayed`` (a static bool per parameter), else 0
+    (``scale`` and ``weight_decay``: scalar arrays)."""
 
     params: optax.Params
     scale: jax.Array
-    decay: Any
+    weight_decay: jax.Array
+    decayed: Any
 
 
 def scale_by_sonew(
@@ -396,10 +398,11 @@ def scale_by_sonew(
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
       ``optax.GradientTransformationExtraArgs`` whose ``apply(updates, state, params, *, scale=1,
-      decay=0)`` returns ``params + (u + decay * params) * scale`` (``decay`` a float or one per
-      parameter) and the new state. Where the kernels know the graft ratio before the step
-      (``graft_lag=True``, or ``graft="none"``) they write the parameters in place in the step's
-      pass instead of writing ``u``; elsewhere XLA adds ``u`` as ``optax.apply_updates`` would.
+      weight_decay=0, mask=None)`` returns ``params + (u + weight_decay * params) * scale`` (the
+      decay only where ``mask``, as ``optax.add_decayed_weights``'s, is True) and the new state.
+      Where the kernels know the graft ratio before the step (``graft_lag=True``, or
+      ``graft="none"``) they write the parameters in place in the step's pass instead of writing
+      ``u``; elsewhere XLA adds ``u`` as ``optax.apply_updates`` would.
     """
     hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
     _validate(hyper, graft_lag, mesh, param_specs)
@@ -463,13 +466,13 @@ def scale_by_sonew(
         params: optax.Params,
         *,
         scale: Any = 1.0,
-        decay: Any = 0.0,
+        weight_decay: Any = 0.0,
+        mask: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Params, ScaleBySONewState | ScaleBySONewLagState]:
         del extra_args
-        if jax.tree_util.treedef_is_leaf(jax.tree.structure(decay)):
-            decay = jax.tree.map(lambda _: decay, params)
-        return advance(updates, state, _Apply(params, jnp.asarray(scale, stats_dtype), decay))
+        numbers = (jnp.asarray(x, stats_dtype) for x in (scale, weight_decay))
+        return advance(updates, state, _Apply(params, *numbers, _decay_flags(mask, params)))
 
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
 
@@ -485,15 +488,15 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
         treedef = jax.tree.structure(updates)
         leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
         n = len(leaves[0])
-        params, decays = (
-            [treedef.flatten_up_to(x) for x in (apply.params, apply.decay)]
+        params, decayed = (
+            [treedef.flatten_up_to(x) for x in (apply.params, apply.decayed)]
             if apply is not None
             else ([None] * n, [None] * n)
         )
         halos = _halos(leaves[1], leaves[2], leaves[3], leaves[5], hyper, kernels)
         fused_apply = [
-            _kernel_apply(apply, p, decay, ei, lagged, hyper, lay, kernels)
-            for ei, lagged, lay, p, decay in zip(*leaves[3:], params, decays, strict=True)
+            _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
+            for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
         ]
         steps = [
             _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels, halo, leaf_apply)
@@ -503,8 +506,8 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
         ]
         ratios = _graft_ratios([step[4] for step in steps])
         out: list[list[Any]] = [[] for _ in range(5)]
-        for g, step, fresh, lagged, p, decay, leaf_apply in zip(
-            leaves[0], steps, ratios, leaves[4], params, decays, fused_apply, strict=True
+        for g, step, fresh, lagged, p, flag, leaf_apply in zip(
+            leaves[0], steps, ratios, leaves[4], params, decayed, fused_apply, strict=True
         ):
             if leaf_apply is not None:  # the kernel wrote the parameters
                 x, lagged = step[0], _next_lagged(fresh, lagged)
@@ -512,6 +515,7 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
                 u, lagged = _graft(step[0], fresh, lagged)
                 x = u.astype(g.dtype)
                 if apply is not None:
+                    decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
             for k, y in enumerate((x, *step[1:4], lagged)):
                 out[k].append(y)
@@ -602,22 +606,17 @@ def sonew(
         sonew_state, decay_state, rate_state = state
         # -lr of this step, and the schedule's next state: the rate's update of the scalar 1.
         scale, rate_state = rate.update(jnp.ones([], _as_dtype(stats_dtype)), rate_state)
-        decay = _weight_decays(weight_decay, mask, params)
         params, sonew_state = precondition.apply(
-            updates, sonew_state, params, scale=scale, decay=decay
+            updates, sonew_state, params, scale=scale, weight_decay=weight_decay, mask=mask
         )
         return params, (sonew_state, decay_state, rate_state)  # weight decay has no state
 
     return GradientTransformationWithApply(tx.init, tx.update, apply_fn)
 
 
-def _weight_decays(weight_decay: Any, mask: Any, params: optax.Params) -> Any:
-    """Each parameter's decoupled weight decay, as ``optax.add_decayed_weights(weight_decay,
-    mask)`` applies it: ``weight_decay`` where ``mask`` (a tree of bools, or a prefix of one, or a
-    function of the parameters that returns one; ``None``: everywhere) is True, else 0."""
-    if mask is None:
-        return jax.tree.map(lambda _: weight_decay, params)
-    flags = mask(params) if callable(mask) else mask
-    return jax.tree.map(
-        lambda flag, sub: jax.tree.map(lambda _: weight_decay * flag, sub), flags, params
-    )
+def _decay_flags(mask: Any, params: optax.Params) -> Any:
+    """Whether each parameter is decayed, as ``optax.add_decayed_weights(weight_decay, mask)``
+    decays it: where ``mask`` (a tree of bools, or a prefix of one, or a function of the
+    parameters that returns one; ``None``: everywhere) is True. The flags must be concrete."""
+    flags = True if mask is None else mask(params) if callable(mask) else mask
+    return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), flags, params)
