@@ -281,8 +281,8 @@ def _write_parts(parts_ref, i, j, pairs) -> None:
     for k, (scales, sums) in enumerate(pairs):
         top = jnp.maximum(jnp.max(scales), _scale_floor(scales.dtype))
         ratio = scales * (1 / top)
-        parts_ref[i, j, 2 * k] = top
-        parts_ref[i, j, 2 * k + 1] = jnp.sum(sums * ratio * ratio)
+        parts_ref[2 * k, i, j] = top
+        parts_ref[2 * k + 1, i, j] = jnp.sum(sums * ratio * ratio)
 
 
 def _scale_floor(dtype) -> Any:
@@ -509,9 +509,9 @@ def leaf_update(
     (``benchmarks/kernel_speed.py``, ``benchmarks/profile_update.py``). Band 1 runs
     ``BAND1_KERNEL``. Returns ``(u, m, d, e, parts)``: the ungrafted direction in
     ``d``'s dtype, the new state in the stored dtypes, and per tile the norm pairs ``(max |x|,
-    sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(tiles, 4)`` rows ``(scale_adam,
-    sum_adam, scale_u, sum_u)`` (``None`` unless ``hyper.graft == "adam"``); see
-    ``chain.merge_norm_parts``.
+    sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4, tiles)``: rows ``scale_adam,
+    sum_adam, scale_u, sum_u`` (``None`` unless ``hyper.graft == "adam"``; each row contiguous, so
+    XLA reduces along the minor axis); see ``chain.merge_norm_parts``.
 
     Band 1 reads the halo rows of ``(m, d, e)`` from ``halos`` (:func:`gather_halos`, which can
     gather those of a model's tensors in a few launches); default: gathered here.
@@ -558,7 +558,7 @@ def leaf_update(
     u, *new_state, parts = step(*inputs)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
-    parts = parts.reshape(-1, 4) if hyper.graft == "adam" else None
+    parts = parts.reshape(4, -1) if hyper.graft == "adam" else None
     return u.reshape(shape), m_new, d_new, e_new, parts
 
 
@@ -579,7 +579,7 @@ def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret, apply
     params_dtype, decayed = apply or (compute, False)
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
     outputs += [jax.ShapeDtypeStruct((size,), dtype) for dtype in state_dtypes]
-    outputs.append(jax.ShapeDtypeStruct((*grid, 4), compute))
+    outputs.append(jax.ShapeDtypeStruct((4, *grid), compute))
     # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
     # parameters' (after the halos, before the ratio) with ``apply``.
     aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
