@@ -151,7 +151,8 @@ def sonew(
     moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
     kernels (``"auto"``, default: on GPU; ``"pallas"``: everywhere) or the XLA path (``"xla"``).
     ``graft_lag`` scales each step by the previous step's Adam-graft ratio (the first update is
-    zero; no faster on an H200, see ``benchmarks/README.md``).
+    zero), which lets the GPU kernels write the parameters in the update's pass (the trainer
+    applies through ``optim.apply_gradients``; see ``benchmarks/README.md``, version 10).
     """
     return optim.sonew(
         learning_rate,
