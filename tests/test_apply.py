@@ -16,6 +16,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from sonew_pax import optim, optimizers, trainer
 from sonew_pax.models import Transformer, TransformerConfig
@@ -175,6 +176,31 @@ def test_sharded_apply_equals_unsharded(x64):
     text = apply.lower(put(params, specs), put(state, state_specs), put(params, specs))
     text = text.compile().as_text()
     assert "all-gather" not in text and "all-to-all" not in text
+
+
+def test_sharded_kernel_apply_equals_unsharded(x64, kernel_spy):
+    """Under a mesh the replicated tensor's kernel writes its parameters inside ``shard_map``,
+    the sharded ones take the halo exchange and XLA's apply; all equal the unsharded optimizer."""
+    mesh = make_mesh((2, 4))
+    specs = {"cols": P(None, "model"), "rows": P("data", None), "rep": P()}
+    params, grads = _problem({"cols": (5, 8), "rows": (8, 3), "rep": (6, 7)}, steps=3)
+    kwargs = dict(band=1, graft_lag=True, weight_decay=0.1, stats_dtype=jnp.float64)
+    expect = _both_paths(optim.sonew(SCHEDULE, implementation="xla", **kwargs), params, grads)[0]
+    tx = optim.sonew(SCHEDULE, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs)
+    state_specs = optim.state_partition_specs(tx.init(params), specs)
+
+    def put(tree, tree_specs):
+        return jax.tree.map(
+            lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), tree, tree_specs
+        )
+
+    step = jax.jit(_apply_step(tx))
+    p, s = put(params, specs), put(tx.init(params), state_specs)
+    for g in grads:
+        p, s = step(p, s, put(g, specs))
+    _assert_close(expect[0], p, 1e-12)
+    _assert_close(expect[1], s, 1e-12)
+    assert kernel_spy == [True]  # traced once: "rep", the one tensor whole on every device
 
 
 def test_chain_keeps_the_last_apply(x64):
