@@ -20,14 +20,17 @@ update the donated state in place: it copies every state array once more. Here:
   quantities (``pointwise.vertex``), so it reads each array once and computes each vertex and
   edge once where the tile kernel (``BAND1_KERNEL = "tile"``) reads three rows and recomputes:
   the LM set's update takes 13% less device time on an H100 (results/profile_update_scan.json);
-* **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, one reduction for all
+* **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
-  learning rate and ``optax.apply_updates``.
+  learning rate and ``optax.apply_updates``;
+* or, with **the fused apply** (:class:`Apply`: SONew's ``apply`` when the graft ratio is known
+  before the step, ``graft_lag``), the step kernel reads the parameters too and writes them in
+  place instead of ``u``; XLA only merges the norm pairs into the next step's ratios.
 
-fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass, against 28 for a
-fused AdamW, with one step launch per tensor and a few halo launches per model. The math is
-``pointwise``'s, the same functions the XLA path runs, so results agree to float rounding (the
-norms are summed in another order).
+fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
+fused apply), against 28 for a fused AdamW, with one step launch per tensor and a few halo
+launches per model. The math is ``pointwise``'s, the same functions the XLA path runs, so results
+agree to float rounding (the norms are summed in another order).
 ``interpret=True`` runs the kernels in Pallas' interpreter (any backend; the tests use it on CPU).
 
 Only tensors that live whole on the device take this path (sharded ones need halos from other
