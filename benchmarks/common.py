@@ -129,6 +129,19 @@ def time_steps(step: Callable, carry, warmup: int, iters: int) -> tuple[float, l
     return statistics.median(times), times, carry
 
 
+def time_dispatch(step: Callable, carry, iters: int) -> tuple[float, object]:
+    """Median ms the host spends in ``carry = step(carry)`` before the call returns (the device
+    still running the step), each call waited on before the next: the host's cost per step, which
+    bounds a pipelined loop when it exceeds the device's. Returns ``(ms, carry)``."""
+    times = []
+    for _ in range(iters):
+        carry = jax.block_until_ready(carry)
+        start = time.perf_counter()
+        carry = step(carry)
+        times.append(1e3 * (time.perf_counter() - start))
+    return statistics.median(times), jax.block_until_ready(carry)
+
+
 def time_pipelined(step: Callable, carry, iters: int) -> tuple[float, object]:
     """Mean ms per step of ``iters`` calls of ``carry = step(carry)`` dispatched back to back and
     waited on once, at the end: the throughput of a loop whose host does not wait for each step

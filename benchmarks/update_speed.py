@@ -8,7 +8,9 @@ SONew's kernels write the parameters themselves (the fused apply: with ``graft_l
 ratio is known before the step). After ``--warmup`` untimed steps, each of
 ``--iters`` steps is timed to ``block_until_ready``; the median is reported. Then ``--iters``
 steps run back to back, waited on once (``pipelined_ms``, their mean): the host dispatches each
-while the device still works on the last, as in a training loop.
+while the device still works on the last, as in a training loop. ``dispatch_ms`` is the median time
+the host spends in one call before it returns (``common.time_dispatch``): where it exceeds the
+device's time, the pipelined loop waits on the host.
 
 The update is memory-bound, so each optimizer's floor is the bytes it must move through device
 memory: read g, p and every state array, write p and every state array (fp32: AdamW 28 B/param,
@@ -24,8 +26,9 @@ device, which in a training loop the next step's dispatch overlaps.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
-"floor_ratio", "bytes_per_param", "ms_min", "pipelined_ms", "pipelined_ratio_vs_adamw", "busy_ms",
-"busy_ratio_vs_adamw"}]}`` (the pipelined pair null for ``copy``, the busy pair also without
+"floor_ratio", "bytes_per_param", "ms_min", "pipelined_ms", "pipelined_ratio_vs_adamw",
+"dispatch_ms", "busy_ms", "busy_ratio_vs_adamw"}]}`` (the pipelined pair and ``dispatch_ms`` null
+for ``copy``, the busy pair also without
 ``--profile_steps``).
 
 SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
@@ -92,6 +95,7 @@ COLUMNS = (
     "floor_ratio",
     "pipelined_ms",
     "pipelined_ratio_vs_adamw",
+    "dispatch_ms",
     "busy_ms",
     "busy_ratio_vs_adamw",
 )
@@ -145,13 +149,15 @@ def fresh_update(tx, shapes) -> tuple[Callable, tuple]:
 
 class Timing(NamedTuple):
     """One optimizer's update: median and fastest ms to ``block_until_ready``, the floor bytes,
-    the mean ms of steps dispatched back to back (``common.time_pipelined``; None for the copy)
-    and the device's kernel ms per step (None unless profiled)."""
+    the mean ms of steps dispatched back to back (``common.time_pipelined``; None for the copy),
+    the host's ms per call (``common.time_dispatch``; None for the copy) and the device's kernel
+    ms per step (None unless profiled)."""
 
     ms: float
     ms_min: float
     bytes: int
     pipelined_ms: float | None
+    dispatch_ms: float | None
     busy_ms: float | None
 
 
@@ -166,12 +172,13 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
 
     median, times, carry = common.time_steps(step, carry, args.warmup, args.iters)
     pipelined, carry = common.time_pipelined(step, carry, args.iters)
+    dispatch, carry = common.time_dispatch(step, carry, args.iters)
     busy = None
     if profile_steps:
         import profile_update  # local import: profile_update imports this module
 
         busy = profile_update.trace_steps(step, carry, profile_steps)[0]["busy_ms"]
-    return Timing(median, min(times), moved, pipelined, busy)
+    return Timing(median, min(times), moved, pipelined, dispatch, busy)
 
 
 def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, float]:
@@ -197,6 +204,7 @@ def make_row(name: str, timing: Timing, n: int) -> dict:
         "gbps": timing.bytes / timing.ms / 1e6,
         "bytes_per_param": timing.bytes / n,
         "pipelined_ms": timing.pipelined_ms,
+        "dispatch_ms": timing.dispatch_ms,
         "busy_ms": timing.busy_ms,
         "_bytes": timing.bytes,
     }
@@ -273,7 +281,7 @@ def main(argv=None) -> dict:
     n = lm_shapes.count(shapes)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
-    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None), n)]
+    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None, None), n)]
     for name in names:
         timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))

@@ -62,7 +62,8 @@ def test_update_speed_schema(tmp_path):
     for name in ("adamw", "sonew_tridiag"):
         assert _finite(rows[name]["pipelined_ms"]) and rows[name]["pipelined_ms"] > 0
         assert _finite(rows[name]["pipelined_ratio_vs_adamw"])
-    assert rows["copy"]["pipelined_ms"] is None
+        assert _finite(rows[name]["dispatch_ms"]) and rows[name]["dispatch_ms"] > 0
+    assert rows["copy"]["pipelined_ms"] is None and rows["copy"]["dispatch_ms"] is None
     # Traced, but the CPU trace has no device lane: 0 ms, so no ratio (profile_update's parser
     # test reads a device lane); copy is never traced.
     assert rows["adamw"]["busy_ms"] == 0 and rows["adamw"]["busy_ratio_vs_adamw"] is None
@@ -271,6 +272,21 @@ def test_step_counts_must_be_whole_and_large_enough():
     with pytest.raises(SystemExit):
         train_step.parse_args(["--profile_steps", "-1"])
     assert update_speed.parse_args(["--warmup", "0", "--profile_steps", "0"]).warmup == 0
+
+
+def test_time_dispatch_waits_before_each_call_not_inside_it(monkeypatch):
+    """Each of ``iters`` calls starts on a finished carry; the timed span is the call alone."""
+    events = []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: events.append("wait") or real_wait(x))
+
+    def step(c):
+        events.append("call")
+        return c + 1
+
+    ms, carry = common.time_dispatch(step, jnp.zeros(()), 3)
+    assert float(carry) == 3.0 and ms >= 0
+    assert events == ["wait", "call"] * 3 + ["wait"]
 
 
 def test_time_pipelined_dispatches_every_step_then_waits_once(monkeypatch):
