@@ -60,9 +60,8 @@ def apply_gradients(
 ) -> tuple[optax.Params, optax.OptState]:
     """One optimizer step: ``(new params, new state)``, through ``tx.apply`` when ``tx`` has it
     (:class:`GradientTransformationWithApply`), else ``tx.update`` and ``optax.apply_updates``."""
-    apply = getattr(tx, "apply", None)
-    if apply is not None:
-        return apply(grads, opt_state, params, **extra_args)
+    if isinstance(tx, GradientTransformationWithApply):
+        return tx.apply(grads, opt_state, params, **extra_args)
     updates, opt_state = optax.with_extra_args_support(tx).update(
         grads, opt_state, params, **extra_args
     )
@@ -74,7 +73,7 @@ def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransforma
     leading transformations update, the last one applies (e.g. gradient clipping in front of
     :func:`sonew_pax.optim.sonew`)."""
     chained = optax.chain(*transforms)
-    if not transforms or getattr(transforms[-1], "apply", None) is None:
+    if not transforms or not isinstance(transforms[-1], GradientTransformationWithApply):
         return chained
     leading = [optax.with_extra_args_support(t) for t in transforms[:-1]]
     last_apply = transforms[-1].apply
