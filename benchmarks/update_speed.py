@@ -28,8 +28,7 @@ Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
 "floor_ratio", "bytes_per_param", "ms_min", "pipelined_ms", "pipelined_ratio_vs_adamw",
 "dispatch_ms", "busy_ms", "busy_ratio_vs_adamw"}]}`` (the pipelined pair and ``dispatch_ms`` null
-for ``copy``, the busy pair also without
-``--profile_steps``).
+for ``copy``, the busy pair also without ``--profile_steps``).
 
 SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
 same optimizer with the Pallas kernels of ``sonew_pax/optim/fused.py`` (``sonew``'s default on GPU,

@@ -22,6 +22,8 @@ from sonew_pax import optim, optimizers, trainer
 from sonew_pax.models import Transformer, TransformerConfig
 from sonew_pax.optim import fused
 from sonew_pax.train_state import TrainState
+from tests.test_fused import _assert_close
+from tests.test_graft_lag import _grads
 from tests.test_sonew_sharded import case, make_mesh
 
 SHAPES = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (33,)}  # "bias": 1-D, Adam's direction
@@ -33,16 +35,10 @@ def _matrices(params):
 
 
 def _problem(shapes, steps=4, seed=0, dtype=jnp.float64):
-    rng = np.random.default_rng(seed)
+    """Random parameters and ``steps`` gradients (``test_graft_lag``'s, of varied scales)."""
+    rng = np.random.default_rng(seed + 1000)
     params = {k: jnp.asarray(rng.normal(size=s), dtype) for k, s in shapes.items()}
-    grads = [
-        {
-            k: jnp.asarray(rng.normal(size=s) * rng.uniform(0.1, 10), dtype)
-            for k, s in shapes.items()
-        }
-        for _ in range(steps)
-    ]
-    return params, grads
+    return params, _grads(shapes, steps, seed, dtype)
 
 
 def _optax_step(tx):
@@ -69,13 +65,6 @@ def _both_paths(tx, params, grads_seq, place=lambda tree: tree, place_state=lamb
             p, s = step(p, s, place(g))
         results.append((p, s))
     return results
-
-
-def _assert_close(expect, got, rtol):
-    for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
-        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert a.shape == b.shape and a.dtype == b.dtype
-        assert np.linalg.norm(b - a) <= rtol * np.linalg.norm(a) + 1e-300, (a.shape, rtol)
 
 
 @pytest.fixture

@@ -52,9 +52,10 @@ def _trajectory(shapes, kinds, seed=0, dtype=jnp.float64):
 
 
 def _assert_close(expect, got, rtol):
+    """Same shapes and dtypes, and every leaf within ``rtol`` (relative, in norm)."""
     for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
+        assert jnp.shape(a) == jnp.shape(b) and jnp.result_type(a) == jnp.result_type(b)
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        assert a.shape == b.shape
         assert np.linalg.norm(b - a) <= rtol * np.linalg.norm(a) + 1e-300, (a.shape, rtol)
 
 

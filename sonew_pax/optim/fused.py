@@ -531,7 +531,7 @@ def leaf_update(
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
-    numbers += [0, 0] if apply is None else [apply.weight_decay, apply.scale]
+    numbers += [0] * len(_APPLY_SCALARS) if apply is None else [apply.weight_decay, apply.scale]
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
     state = [m, d] + ([e[0]] if band else [])

@@ -116,10 +116,11 @@ def sharded_step(
 
         def local(u, mi, di, ei, ri, c, *applied):
             # The flags are static: they stay out of shard_map's arguments.
+            here = None
             if applied:
                 params, scale, weight_decay = applied
-                applied = apply._replace(params=params, scale=scale, weight_decay=weight_decay)
-            return tree_step(u, mi, di, ei, ri, c, layouts, applied or None)
+                here = apply._replace(params=params, scale=scale, weight_decay=weight_decay)
+            return tree_step(u, mi, di, ei, ri, c, layouts, here)
 
         return jax.shard_map(
             local,

@@ -226,7 +226,7 @@ def _leaf_step(
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
-    band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
+    band = _band(e)
     if _on_kernel(kernels, layout, band, hyper):
         interpret = _interpret()
         return fused.leaf_update(
@@ -241,6 +241,11 @@ def _leaf_step(
 def _interpret() -> bool:
     """The kernels run compiled on GPU, in Pallas' interpreter elsewhere (tests on CPU)."""
     return jax.default_backend() != "gpu"
+
+
+def _band(e: Any) -> int:
+    """The band of a tensor's off-diagonal statistics ``e`` (0: none, ``optax.MaskedNode``)."""
+    return 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
 
 
 def _on_kernel(kernels: bool, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
@@ -332,9 +337,8 @@ def _kernel_apply(
     graft ratio is known before the step (:func:`_ratio_before_step`); else ``None``."""
     if apply is None:
         return None
-    band = 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
     ratio = _ratio_before_step(hyper, lagged)
-    if ratio is None or not _on_kernel(kernels, layout, band, hyper):
+    if ratio is None or not _on_kernel(kernels, layout, _band(e), hyper):
         return None
     return fused.Apply(p, ratio, apply.weight_decay, apply.scale, decayed)
 
