@@ -248,6 +248,13 @@ def test_trainer_step_applies_through_the_fused_apply():
     assert int(states[0].step) == 3
 
 
+def test_traced_weight_decay_mask_is_named():
+    params = {"w": jnp.ones((4, 3))}
+    tx = optim.sonew(0.1, weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.sum() > 0, p))
+    with pytest.raises(ValueError, match="weight-decay mask must give concrete bools"):
+        jax.jit(_apply_step(tx))(params, tx.init(params), params)
+
+
 def test_apply_gradients_of_a_plain_optax_transformation():
     params, grads = _problem({"w": (4, 3)}, steps=1, dtype=jnp.float32)
     tx = optax.adamw(0.1)

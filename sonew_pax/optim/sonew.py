@@ -636,4 +636,12 @@ def _decay_flags(mask: Any, params: optax.Params) -> Any:
     decays it: where ``mask`` (a tree of bools, or a prefix of one, or a function of the
     parameters that returns one; ``None``: everywhere) is True. The flags must be concrete."""
     flags = True if mask is None else mask(params) if callable(mask) else mask
-    return jax.tree.map(lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), flags, params)
+    try:
+        return jax.tree.map(
+            lambda flag, sub: jax.tree.map(lambda _: bool(flag), sub), flags, params
+        )
+    except jax.errors.ConcretizationTypeError as err:
+        raise ValueError(
+            "apply: the weight-decay mask must give concrete bools (as optax.masked needs), not "
+            "values computed from traced parameters."
+        ) from err
