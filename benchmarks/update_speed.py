@@ -60,6 +60,7 @@ SONEW_VARIANTS = {
     "sonew_diag": {"band": 0, **_XLA},
     "sonew_tridiag": {"band": 1, **_XLA},
     "sonew_band4": {"band": 4, **_XLA},
+    "sonew_band4_lag": {"band": 4, "graft_lag": True, **_XLA},
     "sonew_tridiag_bf16": {
         "band": 1,
         "momentum_dtype": jnp.bfloat16,
@@ -80,7 +81,6 @@ SONEW_VARIANTS = {
 PALLAS_VARIANTS = {
     f"{name}_pallas": {**kwargs, "implementation": "pallas"}
     for name, kwargs in SONEW_VARIANTS.items()
-    if kwargs["band"] <= 1
 }
 SONEW_VARIANTS.update(PALLAS_VARIANTS)
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)

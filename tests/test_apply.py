@@ -86,7 +86,7 @@ def kernel_spy(monkeypatch):
 GRAFTS = {"lag": dict(graft_lag=True), "none": dict(graft="none"), "exact": dict()}
 
 
-# Band 0, band 1's scan kernel (the default) and its tile kernel.
+# Band 0, band 1's scan kernel (the default) and its tile kernel, band 4's kernel ("band").
 @pytest.mark.parametrize(
     "band, kernel, graft",
     [
@@ -95,13 +95,15 @@ GRAFTS = {"lag": dict(graft_lag=True), "none": dict(graft="none"), "exact": dict
         (1, "tile", "lag"),
         (1, "scan", "none"),
         (1, "scan", "exact"),
+        (4, "band", "lag"),
     ],
 )
 def test_kernel_apply_equals_update_then_apply_updates(
     x64, band, kernel, graft, monkeypatch, kernel_spy
 ):
-    monkeypatch.setattr(fused, "BAND1_KERNEL", kernel)
+    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan" if kernel == "band" else kernel)
     monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
+    monkeypatch.setattr(fused, "BANDED_TILE", (16, 64, 2))
     params, grads = _problem(SHAPES)
     kwargs = dict(band=band, weight_decay=0.1, mask=_matrices, stats_dtype=jnp.float64)
     tx = optim.sonew(SCHEDULE, implementation="pallas", **kwargs, **GRAFTS[graft])
@@ -110,9 +112,11 @@ def test_kernel_apply_equals_update_then_apply_updates(
     _assert_close(expect_s, got_s, 1e-13)
     moved = jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), got_p, params)
     assert min(moved.values()) > 1e-3  # every tensor stepped (the bias by Adam's direction, on XLA)
-    # Traced once per path, two preconditioned tensors each: the kernels had the parameters
-    # exactly where the graft ratio was known before the step.
-    assert kernel_spy == [False, False] + [graft != "exact"] * 2
+    # Traced once per path, the preconditioned tensors on the kernels each (band 4's kernel
+    # needs 8 rows: not the cube's): the kernels had the parameters exactly where the graft ratio
+    # was known before the step.
+    on_kernel = 1 if band == 4 else 2
+    assert kernel_spy == [False] * on_kernel + [graft != "exact"] * on_kernel
 
 
 def test_kernel_apply_with_bf16_parameters(monkeypatch):

@@ -78,16 +78,24 @@ def test_chain_neighbour_is_the_fortran_order_successor(shape):
 # walking 8 rows (what ``default_tile`` gives tensors this small) with the default
 # ``SCAN_AHEAD``, or 16 (as on the LM set's large tensors) loading 3 rows ahead (more than a
 # ragged chunk has left).
-KERNELS = pytest.mark.parametrize(
-    "band, kernel, walk, ahead",
-    [(0, "tile", None, None), (1, "tile", None, None), (1, "scan", 8, None), (1, "scan", 16, 3)],
+_KERNELS = [
+    (0, "tile", None, None),
+    (1, "tile", None, None),
+    (1, "scan", 8, None),
+    (1, "scan", 16, 3),
+]
+KERNELS = pytest.mark.parametrize("band, kernel, walk, ahead", _KERNELS)
+# ... and bands 2 and 4 (``fused._band_scan_kernel``), for the tests whose tensors suit them all.
+ALL_KERNELS = pytest.mark.parametrize(
+    "band, kernel, walk, ahead", [*_KERNELS, (2, "band", None, None), (4, "band", None, None)]
 )
 
 
 @pytest.fixture
 def use_kernel(monkeypatch):
     def use(kernel: str, walk: int | None, ahead: int | None) -> None:
-        monkeypatch.setattr(fused, "BAND1_KERNEL", kernel)
+        monkeypatch.setattr(fused, "BANDED_TILE", (8, 64, 2))
+        monkeypatch.setattr(fused, "BAND1_KERNEL", "tile" if kernel == "band" else kernel)
         monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
         if walk:
             monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", walk)
@@ -131,6 +139,77 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, walk, ahead, use_ker
     _assert_close(expect_state, got_state, 1.5e-2)
 
 
+# Tensors for bands >= 2: 2-D to 4-D with at least 2 b rows along axis 0 (``fused.supported``),
+# in ``use_kernel``'s 8-row chunks of 64-column blocks (several of each, ragged last ones, a
+# one-row last chunk), whose walks run 3 b - 1 rows past their chunk and wrap into the
+# neighbouring columns of the chain; one exactly 2 b = 8 rows tall for band 4. "short" is too
+# short for band 4 and the 1-D tensor is 1-D: both take the XLA path there.
+BANDED_SHAPES = {
+    "mat": (41, 70),
+    "deep": (9, 4, 5),
+    "tall": (33, 2, 3),
+    "quad": (8, 3, 1, 2),
+    "short": (5, 6),
+    "vec": (33,),
+}
+
+
+@pytest.fixture
+def banded_spy(monkeypatch):
+    """The shapes whose steps the banded kernel traced (``fused._step_call``'s cache is cleared
+    before and after, so every configuration traces anew)."""
+    traced = []
+    kernel = fused._band_scan_kernel
+
+    def spy(*refs, shape, **kwargs):
+        traced.append(shape)
+        kernel(*refs, shape=shape, **kwargs)
+
+    monkeypatch.setattr(fused, "_band_scan_kernel", spy)
+    fused._step_call.cache_clear()
+    yield traced
+    fused._step_call.cache_clear()
+
+
+def _on_banded_kernel(shapes, band):
+    return {
+        s for s in shapes.values() if fused.supported(ChainLayout.unsharded(s), band) and len(s) > 1
+    }
+
+
+@pytest.mark.parametrize("band", [2, 4])
+@pytest.mark.parametrize("graft", ["adam", "none"])
+def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
+    """Bands 2 and 4 through hostile steps: ``equal`` gradients make every window singular, so
+    Algorithm 3 cuts every edge, and the steps after it solve windows near the tolerance."""
+    use_kernel("band", None, None)
+    params = {k: jnp.zeros(s, jnp.float64) for k, s in BANDED_SHAPES.items()}
+    grads = _trajectory(BANDED_SHAPES, ["normal", "normal", "equal", "normal", "zero", "normal"])
+    kwargs = dict(band=band, graft=graft, precondition_1d=True, stats_dtype=jnp.float64)
+    expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    got = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    # The near-singular windows after the cuts amplify the two paths' roundings (the kernel
+    # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
+    _assert_close(expect, got, 1e-9)
+    expected = _on_banded_kernel(BANDED_SHAPES, band)
+    assert set(banded_spy) == expected and len(expected) == (5 if band == 2 else 4)
+
+
+def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
+    """Band 4 with float32 statistics, bf16 momentum and off-diagonals, bf16 gradients and
+    parameters (as ``test_kernel_with_bf16_storage_and_float32``)."""
+    use_kernel("band", None, None)
+    shapes = {k: BANDED_SHAPES[k] for k in ("mat", "deep", "vec")}
+    params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
+    grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
+    kwargs = dict(band=4, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
+    expect_updates, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    got_updates, got_state = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    _assert_close(expect_updates, got_updates, 1.5e-2)
+    _assert_close(expect_state, got_state, 1.5e-2)
+    assert set(banded_spy) == {(41, 70), (9, 4, 5)}
+
+
 @pytest.mark.parametrize("kernel", ["tile", "scan"])
 def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
@@ -171,7 +250,7 @@ def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     jax.default_backend() != "gpu",
     reason="CPUs treat subnormal numbers as zero (DAZ): only GPU arithmetic shows the overflow",
 )
-@KERNELS
+@ALL_KERNELS
 def test_kernel_norms_of_subnormal_directions(band, kernel, walk, ahead, use_kernel):
     """float32 directions whose entries are all subnormal (``|x| < 2^-126``, as the decayed
     moments of rarely lit MNIST pixels): every tile's (and every scan lane's) largest ``|x|`` is
@@ -205,7 +284,9 @@ def test_sharded_tensors_keep_the_xla_path(x64):
     assert not fused.supported(ChainLayout((5, 8), ((), ("model",)), (1, 4)), 1)
     assert fused.supported(ChainLayout.unsharded((6, 7)), 1)
     assert fused.supported(ChainLayout((6, 7), (("data",), ()), (1, 1)), 1)  # one-device mesh
-    assert not fused.supported(ChainLayout.unsharded((6, 7)), 2)
+    assert fused.supported(ChainLayout.unsharded((6, 7)), 3)  # 2 x 3 rows along axis 0
+    assert not fused.supported(ChainLayout.unsharded((6, 7)), 4)
+    assert not fused.supported(ChainLayout.unsharded((42,)), 2)  # bands >= 2: at least 2-D
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal"] * 3)
     kwargs = dict(band=1, stats_dtype=jnp.float64)
@@ -331,7 +412,7 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 32]
 
 
-@KERNELS
+@ALL_KERNELS
 def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
@@ -346,8 +427,8 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch
 
     params = {"mat": jnp.zeros((70, 130)), "mat2": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    step = "scan" if kernel == "scan" else "step"
-    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band else set())
+    step = "step" if kernel == "tile" else "scan"
+    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band == 1 else set())
     # The optax update, and the fused apply (the kernels write the parameters: graft_lag).
     for tx, call in (
         (sonew(0.1, band=band, implementation="pallas"), lambda tx, g, s, p: tx.update(g, s, p)),

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sonew_pax.optim import pointwise
+from sonew_pax.optim import pointwise, solve
 from sonew_pax.optim.chain import ChainLayout
 
 # (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
@@ -73,6 +73,9 @@ _SCAN_MIN_ROWS = 8
 # an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
 SCAN_AHEAD = 1
+# Bands b >= 2 (``_band_scan_kernel``): (rows, cols, num_warps). A walk reads 3b - 1 rows around
+# its chunk besides the chunk's own rows, so its chunks are longer than band 1's.
+BANDED_TILE = (32, 128, 4)
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
 # all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
@@ -83,7 +86,10 @@ _APPLY_SCALARS = ("weight_decay", "scale")
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
-    ``TILES[band]``, or for the scan kernel ``SCAN_TILE`` with fewer rows on small tensors."""
+    ``TILES[band]``, ``BANDED_TILE`` for bands >= 2, or for the scan kernel ``SCAN_TILE`` with
+    fewer rows on small tensors."""
+    if band >= 2:
+        return BANDED_TILE
     if band != 1 or BAND1_KERNEL != "scan":
         return TILES[band]
     rows, cols, num_warps = SCAN_TILE
@@ -98,10 +104,15 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 
 def supported(layout: ChainLayout, band: int) -> bool:
-    """Whether the kernel computes this tensor's step: band 0 or 1, whole on the device (mesh axes
-    of size 1 are fine: a one-device mesh), int32-indexable."""
-    size = math.prod(layout.shape)
-    return band <= 1 and all(n == 1 for n in layout.shards) and 0 < size <= _MAX_SIZE
+    """Whether a kernel computes this tensor's step: whole on the device (mesh axes of size 1 are
+    fine: a one-device mesh), int32-indexable (its ``band`` off-diagonals too); for bands >= 2 at
+    least 2-D with ``2 band`` rows along axis 0 (a walk's rows beyond the view's top or bottom
+    wrap into one neighbouring column)."""
+    shape = layout.shape
+    size = math.prod(shape)
+    if not all(n == 1 for n in layout.shards) or not 0 < max(band, 1) * size <= _MAX_SIZE:
+        return False
+    return band <= 1 or (len(shape) >= 2 and shape[0] >= 2 * band)
 
 
 def chain_neighbour(f: jax.Array, shape: tuple[int, ...], step: int) -> tuple[jax.Array, jax.Array]:
@@ -412,6 +423,138 @@ def _scan_kernel(
     _write_parts(parts_ref, i, j, pairs)
 
 
+def _band_scan_kernel(
+    scalars_ref, g_ref, m_ref, d_ref, e_ref, *refs, shape, band, graft, rows, cols, apply, decayed
+):
+    """Band ``b >= 2`` (Theorem 2, Algorithm 3) walking down a ``rows x cols`` block of the view.
+
+    Each lane owns a column and walks the chain from ``b`` rows above its chunk to ``2b - 1``
+    rows below it (the rows beyond the tensor's top and bottom are the wrapped chain neighbours).
+    On reading row ``t`` it computes, with ``solve``'s and ``pointwise``'s float operations:
+
+    * ``t``'s moments and :func:`pointwise.vertex`, and the new statistics and correlations
+      ``rho_k`` of the edges ``(t - k, t)``, ``k = 1..b`` (:func:`pointwise.correlation`): the
+      last entries of ``C`` that vertex ``t - b``'s window needs;
+    * Algorithm 3's cut test of vertex ``t - b`` on its full window (``solve.window_cut``);
+    * the truncated factor of vertex ``i = t - 2b + 1``, whose window's cuts are now all known
+      (``solve.truncated_factor``), and its ``z_i = D_ii (w_i + sum_p L_{i+1+p,i} w_{i+1+p})``;
+    * ``u_i = s_i (z_i + sum_p L_{i, i-1-p} z_{i-1-p})``, as ``solve.apply``.
+
+    Rows are read once per walk (the ``3b - 1`` rows around a chunk by two walks), every vertex
+    and window solved once. The state is written to new buffers: the walks of neighbouring
+    chunks read each other's rows as they were before the step. With ``apply``
+    (:class:`Apply`) the kernel reads ``p_ref`` at row ``i`` and writes the new parameters there
+    (in place) instead of ``u``.
+    """
+    p_ref, ratio_ref = refs[:2] if apply else (None, None)
+    out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
+    b = band
+    num_rows, num_cols = tile_view(shape)
+    size = num_rows * num_cols
+    i, j = pl.program_id(0), pl.program_id(1)
+    c = j * cols + jnp.arange(cols, dtype=jnp.int32)
+    in_cols = c < num_cols
+    hyper, corrections = _numbers(scalars_ref, graft)
+    compute = d_ref.dtype
+    first, last = _chunk_rows(i, rows, num_rows)
+    # The chain continues below the view's last row at the next column's first row, and above
+    # its first row at the previous column's last row (Fortran order; ``supported`` keeps
+    # ``num_rows >= 2 b``, so a walk wraps into one neighbouring column at most).
+    below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
+    above, has_above = chain_neighbour(c, shape, -1)
+
+    def locate(t):
+        """Flat offset of the walk's row ``t`` and whether it is on the chain."""
+        offset = jnp.where(
+            t < 0,
+            above + (t + 1) * num_cols,
+            jnp.where(t >= num_rows, below + (t - num_rows) * num_cols, t * num_cols + c),
+        )
+        on_chain = jnp.where(t < 0, has_above, jnp.where(t >= num_rows, has_below, True))
+        return offset, in_cols & on_chain & (t >= first - 2 * b) & (t <= last + 2 * b - 1)
+
+    def read(ref, at, mask):
+        return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
+
+    def write(ref, at, x, mask):
+        plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
+
+    def mine(t):
+        """Whether row ``t`` is this chunk's (the walk writes its outputs there)."""
+        return in_cols & (t >= first) & (t <= last)
+
+    zero = jnp.zeros((cols,), compute)
+
+    def body(k, carry):
+        g_q, s_q, w_q, rho_q, cut_q, lz_q, pairs = carry
+        t = first - b + k
+        at, on_chain = locate(t)
+        raw = pointwise.Raw(
+            read(g_ref, at, on_chain), read(m_ref, at, on_chain), read(d_ref, at, on_chain)
+        )
+        v = pointwise.vertex(raw, corrections, hyper)
+        for ref, x in ((m_out, v.m), (d_out, v.d)):
+            write(ref, at, x, mine(t))
+        adam = pointwise.adam_direction(v.m, v.d, corrections, hyper)
+        # rho_q[n][k - 1]: rho_k of position t - 2b + 1 + n (queued positions t - 2b + 1 ... t - 1).
+        rho_q = [list(x) for x in rho_q]
+        for dist in range(1, b + 1):
+            before, before_ok = locate(t - dist)
+            e_old = read(e_ref, (dist - 1) * size + before, before_ok)
+            a = pointwise.Vertex(g_q[-dist], zero, zero, s_q[-dist], zero)
+            e_new, rho = pointwise.correlation(e_old, a, v, corrections, hyper)
+            write(e_out, (dist - 1) * size + before, e_new, mine(t - dist))
+            rho_q[-dist][dist - 1] = rho
+
+        def window(n):
+            """The window system of queued position ``n`` (``solve.window_solve``'s arguments)."""
+            rows_ = [[rho_q[n + 1 + p][q] for q in range(b - 1 - p)] for p in range(b)]
+            return rows_, rho_q[n]
+
+        schur, _, pivot = solve.window_solve(*window(b - 1))  # vertex t - b
+        cut = solve.window_cut(schur, pivot, hyper.gamma)
+        vertex_i = t - 2 * b + 1
+        lower, diag = solve.truncated_factor(*window(0), [*cut_q, cut])
+        y = w_q[0]
+        for p in range(b):
+            y = y + lower[p] * w_q[1 + p]
+        z = diag * y
+        out = z
+        for p in range(b):
+            lower_before, z_before = lz_q[-1 - p]
+            out = out + lower_before[p] * z_before
+        u = s_q[0] * out
+        at_i, _ = locate(vertex_i)
+        p_i = None if p_ref is None else read(p_ref, at_i, mine(vertex_i))
+        write(out_ref, at_i, _output(scalars_ref, ratio_ref, u, p_i, decayed), mine(vertex_i))
+        pairs = tuple(
+            _running_pair(pair, x, mine(r))
+            for pair, x, r in zip(pairs, (adam, u), (t, vertex_i), strict=True)
+        )
+        return (
+            (*g_q[1:], v.g),
+            (*s_q[1:], v.scale),
+            (*w_q[1:], v.w),
+            (*(tuple(x) for x in rho_q[1:]), (zero,) * b),
+            (*cut_q[1:], cut),
+            (*lz_q[1:], (tuple(lower), z)),
+            pairs,
+        )
+
+    floor = jnp.full((cols,), _scale_floor(compute), compute)
+    init = (
+        (zero,) * b,
+        (zero,) * (2 * b - 1),
+        (zero,) * (2 * b - 1),
+        ((zero,) * b,) * (2 * b - 1),
+        (zero,) * (b - 1),
+        (((zero,) * b, zero),) * b,
+        ((floor, zero),) * 2,
+    )
+    *_, pairs = jax.lax.fori_loop(0, rows + 3 * b - 1, body, init)
+    _write_parts(parts_ref, i, j, pairs)
+
+
 def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply, decayed):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring (with
     ``apply``, reading ``p_ref`` and writing the new parameters in ``u``'s place)."""
@@ -525,32 +668,33 @@ def leaf_update(
     """
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     rows, cols, num_warps = tile or default_tile(band, g.shape)
-    scan = band == 1 and BAND1_KERNEL == "scan"
-    if scan and cols < 32 * num_warps:
-        raise ValueError(f"scan kernel: {cols} columns for 32 x {num_warps} lanes (one each)")
+    kernel = "band" if band >= 2 else "scan" if band == 1 and BAND1_KERNEL == "scan" else "tile"
+    if kernel != "tile" and cols < 32 * num_warps:
+        raise ValueError(f"{kernel} kernel: {cols} columns for 32 x {num_warps} lanes (one each)")
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
     numbers += [0] * len(_APPLY_SCALARS) if apply is None else [apply.weight_decay, apply.scale]
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
-    state = [m, d] + ([e[0]] if band else [])
-    if band:
+    state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
+    if band == 1:
         halos = halos or gather_halos(state, rows, interpret=interpret)
         if any(h.rows != rows for h in halos):
             raise ValueError(f"halos gathered in chunks of {halos[0].rows} rows, tile has {rows}")
     else:
         halos = ()
     halo_size = 2 * pl.cdiv(num_rows, rows) * num_cols  # one array's halo rows
-    starts = [jnp.array([h.index * halo_size for h in halos], jnp.int32)] if band else []
+    starts = [jnp.array([h.index * halo_size for h in halos], jnp.int32)] if band == 1 else []
     state = [x.reshape(-1) for x in state]
     step = _step_call(
         shape,
+        band,
         hyper.graft,
         (rows, cols, num_warps),
         tuple(jnp.dtype(x.dtype) for x in state),
-        "scan" if scan else "tile",
-        SCAN_AHEAD if scan else None,
+        kernel,
+        SCAN_AHEAD if kernel == "scan" else None,
         interpret,
         None if apply is None else (jnp.dtype(apply.params.dtype), bool(apply.decayed)),
     )
@@ -566,33 +710,39 @@ def leaf_update(
 
 
 @functools.cache
-def _step_call(shape, graft, tile, state_dtypes, kernel, ahead, interpret, apply) -> Callable:
-    """:func:`leaf_update`'s ``kernel`` (``"tile"``, or ``"scan"`` loading ``ahead`` rows ahead)
-    for one static configuration (band 1 when ``state_dtypes`` holds ``e``'s; with the fused
-    apply when ``apply`` is the parameters' ``(dtype, decayed)``, not ``None``), jitted and cached:
+def _step_call(shape, band, graft, tile, state_dtypes, kernel, ahead, interpret, apply) -> Callable:
+    """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` loading ``ahead`` rows ahead, or
+    ``"band"`` for bands >= 2) for one static configuration (with the fused apply when ``apply``
+    is the parameters' ``(dtype, decayed)``, not ``None``), jitted and cached:
     the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
     program instead of once per tensor, and whose Triton module the program holds once (the LM
     set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
     13.0 s and 10 MB; on an H100 with the scan kernel, 6.3 s instead of 21.8)."""
-    band = len(state_dtypes) - 2
     rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
     size, compute = math.prod(shape), state_dtypes[1]
     params_dtype, decayed = apply or (compute, False)
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
-    outputs += [jax.ShapeDtypeStruct((size,), dtype) for dtype in state_dtypes]
+    sizes = (size, size, max(band, 1) * size)
+    outputs += [
+        jax.ShapeDtypeStruct((n,), dtype) for n, dtype in zip(sizes, state_dtypes, strict=False)
+    ]
     outputs.append(jax.ShapeDtypeStruct((4, *grid), compute))
-    # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
-    # parameters' (after the halos, before the ratio) with ``apply``.
-    aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
+    # The state's inputs (after the scalars and g) are its outputs' buffers, except for bands
+    # >= 2 (whose walks read their neighbours' rows); so are the parameters' (after the halos,
+    # before the ratio) with ``apply``.
+    in_place = kernel != "band"
+    aliases = {2 + k: 1 + k for k in range(len(state_dtypes))} if in_place else {}
     if apply:
-        aliases[2 + len(state_dtypes) + (4 if band else 0)] = 0
+        aliases[2 + len(state_dtypes) + (4 if band == 1 else 0)] = 0
     static = dict(
         shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
     )
     if kernel == "scan":
         body, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
+    elif kernel == "band":
+        body, name, static["band"] = _band_scan_kernel, f"sonew_band{band}_scan", band
     else:
         body, name = _step_kernel, f"sonew_band{band}_step"
         static.update(band=band, interpret=interpret)

@@ -101,14 +101,22 @@ def vertex(raw: Raw, corrections, hyper: Hyper) -> Vertex:
     return Vertex(raw.g, m, d, scale, scale * (m * c1))
 
 
+def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
+    """The edge ``(a, b)`` of chain positions ``k`` apart (any ``k`` in the band): ``(e, rho)``
+    with ``e`` its new statistic and ``rho = e_hat s_a s_b`` its entry of the unit-diagonal
+    ``C = S H S`` (``solve.correlations``)."""
+    _, c2 = _factors(corrections)
+    e = hyper.b2 * e_old + (1 - hyper.b2) * a.g * b.g
+    return e, e * c2 * a.scale * b.scale
+
+
 def edge(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
     """The edge ``(a, b)`` of consecutive chain positions: ``(e, l, z)`` with ``e`` its new
     statistic, ``(l, D)`` Theorem 1's ``L_{b,a}`` and ``D_aa`` on its correlation
-    (``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the factor's ``D L^T w``
-    at ``a``."""
-    _, c2 = _factors(corrections)
-    e = hyper.b2 * e_old + (1 - hyper.b2) * a.g * b.g
-    lower, diag = solve.tridiagonal_inverse(e * c2 * a.scale * b.scale, hyper.gamma)
+    (:func:`correlation`, ``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the
+    factor's ``D L^T w`` at ``a``."""
+    e, rho = correlation(e_old, a, b, corrections, hyper)
+    lower, diag = solve.tridiagonal_inverse(rho, hyper.gamma)
     return e, lower[0], diag * (a.w + lower[0] * b.w)
 
 

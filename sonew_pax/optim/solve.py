@@ -74,7 +74,7 @@ def correlations(
     return scale, h_off * scale * successors
 
 
-def _window_solve(
+def window_solve(
     rows: list[list[jax.Array]], rhs: list[jax.Array]
 ) -> tuple[jax.Array, list[jax.Array]]:
     """Solves every window system ``A x = c`` with ``A`` unit-diagonal, ``b x b``, batched.
@@ -120,6 +120,41 @@ def _windows(rho: jax.Array, layout: ChainLayout) -> list[list[jax.Array]]:
     return [list(shift(rho[: band - 1 - p], p + 1, layout)) for p in range(band)]
 
 
+def window_cut(schur: jax.Array, pivot: jax.Array, gamma: float | jax.Array) -> jax.Array:
+    """Algorithm 3's test on a vertex's full window (:func:`window_solve`'s ``schur`` and
+    ``pivot``): 1 where the chain is cut after the vertex (its Schur complement, or a pivot of its
+    window, is not ``> gamma``, or is NaN), else 0."""
+    return jnp.logical_not((schur > gamma) & (pivot > gamma)).astype(schur.dtype)
+
+
+def truncated_factor(
+    rows: list[list[jax.Array]], rhs: list[jax.Array], cuts: list[jax.Array]
+) -> tuple[list[jax.Array], jax.Array]:
+    """One vertex's column of ``L`` and ``D_jj`` over its window truncated at the first cut.
+
+    Args:
+      rows, rhs: the vertex's window system (as :func:`window_solve`): ``rhs[p] = C_{j, j+1+p}``.
+      cuts: ``cuts[q]`` is :func:`window_cut` of vertex ``j + q``, ``q = 0, ..., band - 1``.
+
+    Returns:
+      ``(lower, d)``: ``lower[p] = L_{j+1+p, j}`` and ``D_jj``; an isolated vertex (``lower = 0``,
+      ``D_jj = 1``) where the truncated solve still failed in rounding.
+    """
+    # keep[p]: the window of j still reaches j + 1 + p, i.e. no cut at j, ..., j + p.
+    keep = [1 - cuts[0]]
+    for cut in cuts[1:]:
+        keep.append(keep[-1] * (1 - cut))
+    masked_rows = [[a * keep[p + 1 + k] for k, a in enumerate(row)] for p, row in enumerate(rows)]
+    schur, x, _ = window_solve(masked_rows, [c * kp for c, kp in zip(rhs, keep, strict=True)])
+    # Exact arithmetic guarantees a positive truncated Schur complement after the cuts; guard
+    # against rounding by isolating any vertex whose solve still failed.
+    ok = jnp.isfinite(schur) & (schur > 0)
+    for xp in x:
+        ok &= jnp.isfinite(xp)
+    lower = [jnp.where(ok, -xp, 0) for xp in x]
+    return lower, jnp.where(ok, 1 / jnp.where(ok, schur, 1), 1)
+
+
 def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLayout) -> tuple:
     """Algorithms 2-3 in correlation form: returns ``(lower, d)`` of ``X_C = L D L^T``.
 
@@ -135,23 +170,11 @@ def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLa
         return tridiagonal_inverse(rho[0], gamma)
     rows = _windows(rho, layout)
     rhs = list(rho)
-    schur, _, pivot = _window_solve(rows, rhs)
-    # Undefined (a window within gamma of singular, or NaN) or small Schur complements cut.
-    cut = jnp.logical_not((schur > gamma) & (pivot > gamma)).astype(rho.dtype)
-    # keep[p]: the window of j still reaches j + 1 + p, i.e. no cut at j, ..., j + p.
-    keep = [1 - cut]
-    for p in range(1, band):
-        keep.append(keep[-1] * (1 - shift(cut, p, layout)))
-    masked_rows = [[a * keep[p + 1 + k] for k, a in enumerate(row)] for p, row in enumerate(rows)]
-    schur, x, _ = _window_solve(masked_rows, [c * kp for c, kp in zip(rhs, keep, strict=True)])
-    # Exact arithmetic guarantees a positive truncated Schur complement after the cuts; guard
-    # against rounding by isolating any vertex whose solve still failed.
-    ok = jnp.isfinite(schur) & (schur > 0)
-    for xp in x:
-        ok &= jnp.isfinite(xp)
-    lower = jnp.stack([jnp.where(ok, -xp, 0) for xp in x])
-    d = jnp.where(ok, 1 / jnp.where(ok, schur, 1), 1)
-    return lower, d
+    schur, _, pivot = window_solve(rows, rhs)
+    cut = window_cut(schur, pivot, gamma)
+    cuts = [cut] + [shift(cut, q, layout) for q in range(1, band)]
+    lower, d = truncated_factor(rows, rhs, cuts)
+    return jnp.stack(lower), d
 
 
 def tridiagonal_inverse(rho: jax.Array, gamma: float | jax.Array) -> tuple:

@@ -262,7 +262,7 @@ def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
     gathered together before any step kernel overwrites its state: a few launches per model
     instead of one per tensor. ``None`` for the other tensors."""
     on = [
-        not isinstance(ei, optax.MaskedNode) and _on_kernel(kernels, lay, ei.shape[0], hyper)
+        _band(ei) == 1 and _on_kernel(kernels, lay, 1, hyper)
         for ei, lay in zip(e, layouts, strict=True)
     ]
     arrays = [x for k, flag in enumerate(on) if flag for x in (m[k], d[k], e[k][0])]
