@@ -423,8 +423,44 @@ def _scan_kernel(
     _write_parts(parts_ref, i, j, pairs)
 
 
+def band_halo_rows(num_rows: int, rows: int, band: int) -> list[int]:
+    """The rows of the view whose pre-step state the band-``b`` walks of other chunks read: per
+    row chunk of ``rows``, its first ``2b - 1`` rows (read by the walk of the chunk above) and its
+    last ``b`` (read by the chunk below), in this order (a chunk shorter than that repeats its
+    last or first row: those slots are never read)."""
+    out = []
+    for first in range(0, num_rows, rows):
+        last = min(first + rows, num_rows) - 1
+        out += [min(first + s, last) for s in range(2 * band - 1)]
+        out += [max(last - band + 1 + s, first) for s in range(band)]
+    return out
+
+
+def _band_halos(m: jax.Array, d: jax.Array, e: jax.Array, rows: int) -> list[jax.Array]:
+    """The halo rows (:func:`band_halo_rows`) of ``m``, ``d`` and every off-diagonal of ``e``,
+    flat: one XLA gather each, before the step kernel overwrites the state in place."""
+    num_rows, num_cols = tile_view(m.shape)
+    index = jnp.asarray(band_halo_rows(num_rows, rows, e.shape[0]), jnp.int32)
+    return [x.reshape(-1, num_rows, num_cols)[:, index].reshape(-1) for x in (m, d, e)]
+
+
 def _band_scan_kernel(
-    scalars_ref, g_ref, m_ref, d_ref, e_ref, *refs, shape, band, graft, rows, cols, apply, decayed
+    scalars_ref,
+    g_ref,
+    m_ref,
+    d_ref,
+    e_ref,
+    halo_m,
+    halo_d,
+    halo_e,
+    *refs,
+    shape,
+    band,
+    graft,
+    rows,
+    cols,
+    apply,
+    decayed,
 ):
     """Band ``b >= 2`` (Theorem 2, Algorithm 3) walking down a ``rows x cols`` block of the view.
 
@@ -441,10 +477,10 @@ def _band_scan_kernel(
     * ``u_i = s_i (z_i + sum_p L_{i, i-1-p} z_{i-1-p})``, as ``solve.apply``.
 
     Rows are read once per walk (the ``3b - 1`` rows around a chunk by two walks), every vertex
-    and window solved once. The state is written to new buffers: the walks of neighbouring
-    chunks read each other's rows as they were before the step. With ``apply``
-    (:class:`Apply`) the kernel reads ``p_ref`` at row ``i`` and writes the new parameters there
-    (in place) instead of ``u``.
+    and window solved once. The state is updated in place; the walk reads the state of other
+    chunks' rows from the halo copies (:func:`band_halo_rows`), taken before the step. With
+    ``apply`` (:class:`Apply`) the kernel reads ``p_ref`` at row ``i`` and writes the new
+    parameters there (in place) instead of ``u``.
     """
     p_ref, ratio_ref = refs[:2] if apply else (None, None)
     out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
@@ -460,21 +496,36 @@ def _band_scan_kernel(
     # The chain continues below the view's last row at the next column's first row, and above
     # its first row at the previous column's last row (Fortran order; ``supported`` keeps
     # ``num_rows >= 2 b``, so a walk wraps into one neighbouring column at most).
-    below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
-    above, has_above = chain_neighbour(c, shape, -1)
+    below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)  # in row 0
+    above, has_above = chain_neighbour(c, shape, -1)  # in the last row
+    span = 3 * b - 1  # halo rows per chunk
+    halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one array's halo rows
 
     def locate(t):
-        """Flat offset of the walk's row ``t`` and whether it is on the chain."""
-        offset = jnp.where(
-            t < 0,
-            above + (t + 1) * num_cols,
-            jnp.where(t >= num_rows, below + (t - num_rows) * num_cols, t * num_cols + c),
-        )
-        on_chain = jnp.where(t < 0, has_above, jnp.where(t >= num_rows, has_below, True))
-        return offset, in_cols & on_chain & (t >= first - 2 * b) & (t <= last + 2 * b - 1)
+        """The walk's row ``t``: ``(offset, halo, ok)``, its flat offset, that of its copy in the
+        halo rows, and whether the walk reads it: on the chain, within ``b`` rows above the
+        chunk or ``2b - 1`` below it (the rows the chunk's outputs depend on)."""
+        up, down = t < 0, t >= num_rows
+        row = jnp.where(up, t + num_rows, jnp.where(down, t - num_rows, t))
+        column = jnp.where(up, above % num_cols, jnp.where(down, below, c))
+        on_chain = jnp.where(up, has_above, jnp.where(down, has_below, True))
+        chunk = row // rows
+        within = row - chunk * rows
+        length = jnp.minimum(rows, num_rows - chunk * rows)
+        slot = jnp.where(within < 2 * b - 1, within, within - length + span)
+        ok = in_cols & on_chain & (t >= first - b) & (t <= last + 2 * b - 1)
+        return row * num_cols + column, (chunk * span + slot) * num_cols + column, ok
 
     def read(ref, at, mask):
         return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
+
+    def read_state(ref, halo_ref, k, t):
+        """Row ``t`` of state array ``k`` of ``ref`` (``e``'s ``k``-th off-diagonal): the chunk's
+        own rows as stored, the others' from their halo copies."""
+        offset, halo, ok = locate(t)
+        own = (t >= first) & (t <= last)
+        stored = read(ref, k * size + offset, ok & own)
+        return jnp.where(own, stored, read(halo_ref, k * halo_size + halo, ok & ~own))
 
     def write(ref, at, x, mask):
         plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
@@ -485,25 +536,32 @@ def _band_scan_kernel(
 
     zero = jnp.zeros((cols,), compute)
 
-    def body(k, carry):
-        g_q, s_q, w_q, rho_q, cut_q, lz_q, pairs = carry
-        t = first - b + k
-        at, on_chain = locate(t)
+    def load(t) -> tuple[pointwise.Raw, tuple]:
+        """Row ``t``'s raw values and the stored statistics of its edges from ``t - 1``, ...,
+        ``t - b`` (zeros off the chain)."""
+        at, _, ok = locate(t)
         raw = pointwise.Raw(
-            read(g_ref, at, on_chain), read(m_ref, at, on_chain), read(d_ref, at, on_chain)
+            read(g_ref, at, ok), read_state(m_ref, halo_m, 0, t), read_state(d_ref, halo_d, 0, t)
         )
+        return raw, tuple(read_state(e_ref, halo_e, k, t - 1 - k) for k in range(b))
+
+    def body(k, carry):
+        loaded, g_q, s_q, w_q, rho_q, cut_q, lz_q, pairs = carry
+        t = first - b + k
+        # Row t was loaded in the previous iteration; row t + 1's loads are in flight while
+        # row t is computed (as the band-1 scan's ``ahead``).
+        (raw, e_olds), loaded = loaded, load(t + 1)
         v = pointwise.vertex(raw, corrections, hyper)
         for ref, x in ((m_out, v.m), (d_out, v.d)):
-            write(ref, at, x, mine(t))
+            write(ref, t * num_cols + c, x, mine(t))
         adam = pointwise.adam_direction(v.m, v.d, corrections, hyper)
         # rho_q[n][k - 1]: rho_k of position t - 2b + 1 + n (queued positions t - 2b + 1 ... t - 1).
         rho_q = [list(x) for x in rho_q]
         for dist in range(1, b + 1):
-            before, before_ok = locate(t - dist)
-            e_old = read(e_ref, (dist - 1) * size + before, before_ok)
             a = pointwise.Vertex(g_q[-dist], zero, zero, s_q[-dist], zero)
-            e_new, rho = pointwise.correlation(e_old, a, v, corrections, hyper)
-            write(e_out, (dist - 1) * size + before, e_new, mine(t - dist))
+            e_new, rho = pointwise.correlation(e_olds[dist - 1], a, v, corrections, hyper)
+            at = (dist - 1) * size + (t - dist) * num_cols + c
+            write(e_out, at, e_new, mine(t - dist))
             rho_q[-dist][dist - 1] = rho
 
         def window(n):
@@ -524,7 +582,7 @@ def _band_scan_kernel(
             lower_before, z_before = lz_q[-1 - p]
             out = out + lower_before[p] * z_before
         u = s_q[0] * out
-        at_i, _ = locate(vertex_i)
+        at_i = vertex_i * num_cols + c
         p_i = None if p_ref is None else read(p_ref, at_i, mine(vertex_i))
         write(out_ref, at_i, _output(scalars_ref, ratio_ref, u, p_i, decayed), mine(vertex_i))
         pairs = tuple(
@@ -532,6 +590,7 @@ def _band_scan_kernel(
             for pair, x, r in zip(pairs, (adam, u), (t, vertex_i), strict=True)
         )
         return (
+            loaded,
             (*g_q[1:], v.g),
             (*s_q[1:], v.scale),
             (*w_q[1:], v.w),
@@ -543,6 +602,7 @@ def _band_scan_kernel(
 
     floor = jnp.full((cols,), _scale_floor(compute), compute)
     init = (
+        load(first - b),
         (zero,) * b,
         (zero,) * (2 * b - 1),
         (zero,) * (2 * b - 1),
@@ -682,10 +742,11 @@ def leaf_update(
         halos = halos or gather_halos(state, rows, interpret=interpret)
         if any(h.rows != rows for h in halos):
             raise ValueError(f"halos gathered in chunks of {halos[0].rows} rows, tile has {rows}")
+        halo_size = 2 * pl.cdiv(num_rows, rows) * num_cols  # one array's halo rows
+        extra = [h.buffer for h in halos]
+        extra.append(jnp.array([h.index * halo_size for h in halos], jnp.int32))
     else:
-        halos = ()
-    halo_size = 2 * pl.cdiv(num_rows, rows) * num_cols  # one array's halo rows
-    starts = [jnp.array([h.index * halo_size for h in halos], jnp.int32)] if band == 1 else []
+        extra = _band_halos(m, d, e, rows) if band else []
     state = [x.reshape(-1) for x in state]
     step = _step_call(
         shape,
@@ -701,7 +762,7 @@ def leaf_update(
     applied = []
     if apply is not None:
         applied = [apply.params.reshape(-1), jnp.asarray(apply.ratio, compute).reshape(1)]
-    inputs = [scalars, g.reshape(-1), *state, *(h.buffer for h in halos), *starts, *applied]
+    inputs = [scalars, g.reshape(-1), *state, *extra, *applied]
     u, *new_state, parts = step(*inputs)
     m_new, d_new = (x.reshape(shape) for x in new_state[:2])
     e_new = new_state[2].reshape(e.shape) if band else e
@@ -729,13 +790,12 @@ def _step_call(shape, band, graft, tile, state_dtypes, kernel, ahead, interpret,
         jax.ShapeDtypeStruct((n,), dtype) for n, dtype in zip(sizes, state_dtypes, strict=False)
     ]
     outputs.append(jax.ShapeDtypeStruct((4, *grid), compute))
-    # The state's inputs (after the scalars and g) are its outputs' buffers, except for bands
-    # >= 2 (whose walks read their neighbours' rows); so are the parameters' (after the halos,
-    # before the ratio) with ``apply``.
-    in_place = kernel != "band"
-    aliases = {2 + k: 1 + k for k in range(len(state_dtypes))} if in_place else {}
+    # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
+    # parameters' (after the halo inputs, before the ratio) with ``apply``.
+    aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
     if apply:
-        aliases[2 + len(state_dtypes) + (4 if band == 1 else 0)] = 0
+        halo_inputs = 4 if band == 1 else 3 if band else 0  # band 1's halos come with offsets
+        aliases[2 + len(state_dtypes) + halo_inputs] = 0
     static = dict(
         shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
     )

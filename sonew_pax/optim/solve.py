@@ -76,7 +76,7 @@ def correlations(
 
 def window_solve(
     rows: list[list[jax.Array]], rhs: list[jax.Array]
-) -> tuple[jax.Array, list[jax.Array]]:
+) -> tuple[jax.Array, list[jax.Array], jax.Array]:
     """Solves every window system ``A x = c`` with ``A`` unit-diagonal, ``b x b``, batched.
 
     Args:
@@ -86,32 +86,41 @@ def window_solve(
     Returns:
       ``(schur, x, pivot)`` with ``schur = 1 - c^T A^{-1} c``, ``x = A^{-1} c`` and ``pivot`` the
       smallest Cholesky pivot of ``A`` (the smallest Schur complement within the window). A window
-      that is not positive definite gives non-finite values (square roots of negative pivots).
+      that is not positive definite gives non-finite values (inverse square roots of negative
+      pivots). The factorisation keeps ``1 / G_pp`` (one ``rsqrt`` per pivot) and multiplies by
+      it: no divisions, which dominate the cost of the elementwise solve on a GPU.
     """
     b = len(rhs)
     upper = lambda p, q: rows[p][q - p - 1]  # noqa: E731  A[p, q] for p < q
-    # Cholesky A = G G^T, G lower triangular: g[q][p] = G[q, p] for p <= q.
+    # Cholesky A = G G^T, G lower triangular: g[q][p] = G[q, p] for p < q, inverse[p] = 1 / G[p, p].
     g: list[list[jax.Array]] = [[None] * b for _ in range(b)]  # type: ignore[list-item]
+    inverse: list[jax.Array] = []
     smallest = jnp.ones_like(rhs[0])
     for p in range(b):
-        pivot = 1 - sum((g[p][k] ** 2 for k in range(p)), start=jnp.zeros_like(rhs[0]))
+        pivot = 1 - _sum([g[p][k] ** 2 for k in range(p)], rhs[0])
         smallest = jnp.minimum(smallest, pivot)
-        g[p][p] = jnp.sqrt(pivot)
+        inverse.append(jax.lax.rsqrt(pivot))
         for q in range(p + 1, b):
-            off = upper(p, q) - sum(
-                (g[q][k] * g[p][k] for k in range(p)), start=jnp.zeros_like(rhs[0])
-            )
-            g[q][p] = off / g[p][p]
+            off = upper(p, q) - _sum([g[q][k] * g[p][k] for k in range(p)], rhs[0])
+            g[q][p] = off * inverse[p]
     z: list[jax.Array] = []
     for p in range(b):
-        acc = rhs[p] - sum((g[p][k] * z[k] for k in range(p)), start=jnp.zeros_like(rhs[0]))
-        z.append(acc / g[p][p])
-    schur = 1 - sum((zp**2 for zp in z), start=jnp.zeros_like(rhs[0]))
+        z.append((rhs[p] - _sum([g[p][k] * z[k] for k in range(p)], rhs[0])) * inverse[p])
+    schur = 1 - _sum([zp**2 for zp in z], rhs[0])
     x: list[jax.Array] = [None] * b  # type: ignore[list-item]
     for p in reversed(range(b)):
-        acc = z[p] - sum((g[q][p] * x[q] for q in range(p + 1, b)), start=jnp.zeros_like(z[p]))
-        x[p] = acc / g[p][p]
+        x[p] = (z[p] - _sum([g[q][p] * x[q] for q in range(p + 1, b)], rhs[0])) * inverse[p]
     return schur, x, smallest
+
+
+def _sum(terms: list[jax.Array], like: jax.Array) -> jax.Array:
+    """``terms[0] + terms[1] + ...`` in order; zeros like ``like`` when there are none."""
+    if not terms:
+        return jnp.zeros_like(like)
+    total = terms[0]
+    for term in terms[1:]:
+        total = total + term
+    return total
 
 
 def _windows(rho: jax.Array, layout: ChainLayout) -> list[list[jax.Array]]:
