@@ -545,12 +545,19 @@ def _band_scan_kernel(
         )
         return raw, tuple(read_state(e_ref, halo_e, k, t - 1 - k) for k in range(b))
 
-    def body(k, carry):
+    def load_own(t) -> tuple[pointwise.Raw, tuple]:
+        """:func:`load` of a row ``t`` with ``t - b`` in the chunk: every value is the chunk's
+        own, read as stored (without :func:`load`'s choices between the state and its halo)."""
+        at = t * num_cols + c
+        raw = pointwise.Raw(*(read(ref, at, in_cols) for ref in (g_ref, m_ref, d_ref)))
+        e_old = (read(e_ref, k * size + at - (1 + k) * num_cols, in_cols) for k in range(b))
+        return raw, tuple(e_old)
+
+    def body(loader, t, carry):
         loaded, g_q, s_q, w_q, rho_q, cut_q, lz_q, pairs = carry
-        t = first - b + k
         # Row t was loaded in the previous iteration; row t + 1's loads are in flight while
         # row t is computed (as the band-1 scan's ``ahead``).
-        (raw, e_olds), loaded = loaded, load(t + 1)
+        (raw, e_olds), loaded = loaded, loader(t + 1)
         v = pointwise.vertex(raw, corrections, hyper)
         for ref, x in ((m_out, v.m), (d_out, v.d)):
             write(ref, t * num_cols + c, x, mine(t))
@@ -611,7 +618,16 @@ def _band_scan_kernel(
         (((zero,) * b, zero),) * b,
         ((floor, zero),) * 2,
     )
-    *_, pairs = jax.lax.fori_loop(0, rows + 3 * b - 1, body, init)
+    # Rows first - b ... last + 2b - 1, in three loops: the middle one loads rows t + 1 whose
+    # values are all the chunk's own (most of the walk), the others choose row by row.
+    inner, end = first + b - 1, first + rows + 2 * b - 1
+    carry = jax.lax.fori_loop(first - b, inner, functools.partial(body, load), init)
+    carry = jax.lax.fori_loop(
+        inner, jnp.maximum(inner, last), functools.partial(body, load_own), carry
+    )
+    *_, pairs = jax.lax.fori_loop(
+        jnp.maximum(inner, last), end, functools.partial(body, load), carry
+    )
     _write_parts(parts_ref, i, j, pairs)
 
 
