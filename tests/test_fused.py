@@ -403,6 +403,13 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     for shape, expect in rows.items():
         assert fused.default_tile(1, shape) == (expect, 256, 2), shape
         assert fused.default_tile(0, shape) == fused.TILES[0]
+    # Bands >= 2 likewise, from BANDED_TILE's 64 rows down to 32.
+    monkeypatch.setattr(fused, "BANDED_TILE", (64, 128, 4))
+    monkeypatch.setattr(fused, "_BANDED_PROGRAMS", 512)
+    monkeypatch.setattr(fused, "_BANDED_MIN_ROWS", 32)
+    banded = {(1024, 4096): 64, (4096, 1024): 64, (1024, 1024): 32, (70, 130): 32}
+    for shape, expect in banded.items():
+        assert fused.default_tile(4, shape) == (expect, 128, 4), shape
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
     monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 64)  # the second has 8 x 5 programs at 8 rows
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]

@@ -73,9 +73,15 @@ _SCAN_MIN_ROWS = 8
 # an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
 SCAN_AHEAD = 1
-# Bands b >= 2 (``_band_scan_kernel``): (rows, cols, num_warps). A walk reads 3b - 1 rows around
-# its chunk besides the chunk's own rows, so its chunks are longer than band 1's.
-BANDED_TILE = (32, 128, 4)
+# Bands b >= 2 (``_band_scan_kernel``): (rows, cols, num_warps), rows halved (down to
+# ``_BANDED_MIN_ROWS``) on tensors with fewer than ``_BANDED_PROGRAMS`` programs. A walk reads
+# 3b - 1 rows around its chunk, and the halo copies are (3b - 1) / rows of the state, so its
+# chunks are longer than band 1's. On an H200 (band 4, graft_lag, the LM set's update:
+# results/profile_update_band4_tiles.json) 64 rows were fastest on its 4M-element tensors (512
+# programs), 32 on its 1M-element ones; 16 rows and 64 columns per program were slower.
+BANDED_TILE = (64, 128, 4)
+_BANDED_PROGRAMS = 512
+_BANDED_MIN_ROWS = 32
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
 # all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
@@ -86,19 +92,21 @@ _APPLY_SCALARS = ("weight_decay", "scale")
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
-    ``TILES[band]``, ``BANDED_TILE`` for bands >= 2, or for the scan kernel ``SCAN_TILE`` with
-    fewer rows on small tensors."""
+    ``TILES[band]``, or for the walking kernels (band 1's scan, bands >= 2) ``SCAN_TILE`` or
+    ``BANDED_TILE`` with fewer rows on small tensors."""
     if band >= 2:
-        return BANDED_TILE
-    if band != 1 or BAND1_KERNEL != "scan":
+        tile, least, shortest = BANDED_TILE, _BANDED_PROGRAMS, _BANDED_MIN_ROWS
+    elif band == 1 and BAND1_KERNEL == "scan":
+        tile, least, shortest = SCAN_TILE, _SCAN_PROGRAMS, _SCAN_MIN_ROWS
+    else:
         return TILES[band]
-    rows, cols, num_warps = SCAN_TILE
+    rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
 
     def programs(rows):
         return pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows)
 
-    while rows > _SCAN_MIN_ROWS and programs(rows) < _SCAN_PROGRAMS:
+    while rows > shortest and programs(rows) < least:
         rows //= 2
     return rows, cols, num_warps
 
