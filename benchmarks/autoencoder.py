@@ -486,7 +486,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--implementation",
         default="xla",
         choices=("xla", "pallas"),
-        help="SONew's implementation (pallas: the GPU kernels for bands 0 and 1)",
+        help="SONew's implementation (pallas: the GPU kernels)",
     )
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: by dtype/sweep)")
     p.add_argument(

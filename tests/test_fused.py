@@ -210,10 +210,11 @@ def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
     assert set(banded_spy) == {(41, 70), (9, 4, 5)}
 
 
-@pytest.mark.parametrize("kernel", ["tile", "scan"])
+@pytest.mark.parametrize("kernel", ["tile", "scan", "band"])
 def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
-    learning rates and eps, as the autoencoder benchmark sweeps them (band 1, both kernels)."""
+    learning rates and eps, as the autoencoder benchmark sweeps them (band 1's two kernels, and
+    band 4's)."""
     use_kernel(kernel, None, None)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
 
@@ -221,7 +222,7 @@ def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
         return optax.inject_hyperparams(sonew, static_args=("band",))(
             learning_rate=0.1,
             eps=1e-8,
-            band=1,
+            band=4 if kernel == "band" else 1,
             stats_dtype=jnp.float64,
             implementation=implementation,
         )
