@@ -226,7 +226,7 @@ def make_optimizer(
     """The transformation `name` with hyperparameters `hp` (b1, b2, eps; may be traced).
 
     `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε; `implementation`
-    SONew's (`"xla"` or `"pallas"`, the GPU kernels for bands 0 and 1).
+    SONew's (`"xla"` or `"pallas"`, the GPU kernels).
     """
     b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
     if name in SONEW_VARIANTS:

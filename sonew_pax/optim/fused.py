@@ -1,4 +1,4 @@
-"""The diag and tridiag SONew step of one tensor as Pallas kernels (GPU, Triton), state in place.
+"""The SONew step of one tensor as Pallas kernels (GPU, Triton), state in place.
 
 XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) into several passes
 over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
@@ -20,6 +20,13 @@ update the donated state in place: it copies every state array once more. Here:
   quantities (``pointwise.vertex``), so it reads each array once and computes each vertex and
   edge once where the tile kernel (``BAND1_KERNEL = "tile"``) reads three rows and recomputes:
   the LM set's update takes 13% less device time on an H100 (results/profile_update_scan.json);
+* bands ``b >= 2`` run **the banded walk** (:func:`_band_scan_kernel`): one lane per column walks
+  its chunk from ``b`` rows above to ``2b - 1`` below, solving each vertex's ``b x b`` window
+  twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions. The
+  chunk's first ``2b - 1`` and last ``b`` rows of the state, which other walks read, are
+  gathered by XLA before the kernel (:func:`band_halo_rows`). Band 4 of the LM set takes 5.1x
+  AdamW's device time on an H200, against XLA's 11.7x (results/update_speed_band4_kernel.json):
+  the walk's window solves and its halo rows, not the bytes, bound it;
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``;
@@ -29,12 +36,13 @@ update the donated state in place: it copies every state array once more. Here:
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
 fused apply), against 28 for a fused AdamW, with one step launch per tensor and a few halo
-launches per model. The math is ``pointwise``'s, the same functions the XLA path runs, so results
-agree to float rounding (the norms are summed in another order).
+launches per model. The math is ``pointwise``'s and ``solve``'s, the same functions the XLA path
+runs, so results agree to float rounding (the norms are summed in another order).
 ``interpret=True`` runs the kernels in Pallas' interpreter (any backend; the tests use it on CPU).
 
 Only tensors that live whole on the device take this path (sharded ones need halos from other
-devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int32 offsets).
+devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int32 offsets), and
+for bands ``b >= 2`` with at least ``2b`` rows along axis 0 (:func:`supported`).
 """
 
 from __future__ import annotations

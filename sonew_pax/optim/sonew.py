@@ -209,9 +209,9 @@ def _leaf_step(
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
 
-    With ``kernels`` (:func:`_kernels_enabled`) bands 0 and 1 of a tensor whole on its device run
-    as the Pallas kernels (band 1 with its state's ``halos``, :func:`_halos`), everything else on
-    XLA.
+    With ``kernels`` (:func:`_kernels_enabled`) the step of a tensor whole on its device runs as
+    a Pallas kernel (band 1 with its state's ``halos``, :func:`_halos`; bands >= 2 where
+    ``fused.supported``), everything else on XLA.
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
     ``graft`` is ``None`` when nothing is grafted; from the XLA path this step's ratio ``||adam||
@@ -395,15 +395,16 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
-      implementation: ``"auto"`` (default): on GPU, the diag and tridiag step of every tensor that
-        lives whole on its device as Pallas (Triton) kernels that update the state in place
-        (``fused.py``; on an H100 tridiag's update of the LM set takes 1.9x AdamW's device time and
-        1.6x its wall time, against 3.1x and 2.4x for XLA, ``benchmarks/README.md``), when ``mesh``
-        is given or the process has one device (without a mesh, several devices' arrays may be
-        sharded by the caller's ``jit``, which cannot partition a kernel); XLA elsewhere, for wider
-        bands and for sharded tensors. ``"xla"``: never the kernels; ``"pallas"``: the kernels
-        wherever they apply, also off GPU (in Pallas' interpreter: slow, for tests). Results agree
-        to float rounding.
+      implementation: ``"auto"`` (default): on GPU, the step of every tensor that lives whole on
+        its device as Pallas (Triton) kernels that update the state in place (``fused.py``; on an
+        H100 tridiag's update of the LM set takes 1.9x AdamW's device time and 1.6x its wall time,
+        against 3.1x and 2.4x for XLA; band 4's on an H200 5.1x against 11.7x,
+        ``benchmarks/README.md``), when ``mesh`` is given or the process has one device (without a
+        mesh, several devices' arrays may be sharded by the caller's ``jit``, which cannot
+        partition a kernel); XLA elsewhere: for sharded tensors, and for bands ``b >= 2`` on 1-D
+        tensors or tensors with fewer than ``2b`` rows along axis 0. ``"xla"``: never the
+        kernels; ``"pallas"``: the kernels wherever they apply, also off GPU (in Pallas'
+        interpreter: slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
         ratio ``||adam|| / ||u||`` of step ``t - 1`` (one scalar per tensor, kept in the state,
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
