@@ -195,6 +195,23 @@ def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     assert set(banded_spy) == expected and len(expected) == (5 if band == 2 else 4)
 
 
+def test_band_halos_are_each_chunks_first_and_last_rows():
+    """Band b's halo copies: per row chunk its first 2b - 1 and last b rows of ``m``, ``d`` and
+    each off-diagonal of ``e`` (a short chunk repeats its last or first row in the slots it does
+    not fill: those are never read)."""
+    # Band 2, a chunk of 16 rows and one of 4.
+    assert fused.band_halo_rows(20, 16, 2) == [0, 1, 2, 14, 15, 16, 17, 18, 18, 19]
+    rng = np.random.default_rng(0)
+    shape = (20, 3, 2)
+    m, d = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
+    e = jnp.asarray(rng.normal(size=(2, *shape)), jnp.bfloat16)
+    rows = fused.band_halo_rows(20, 16, 2)
+    for x, halo in zip((m, d, e), fused._band_halos(m, d, e, 16), strict=True):
+        assert halo.dtype == x.dtype
+        view = np.asarray(x).reshape(-1, 20, 6)
+        np.testing.assert_array_equal(np.asarray(halo), view[:, rows].reshape(-1))
+
+
 def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
     """Band 4 with float32 statistics, bf16 momentum and off-diagonals, bf16 gradients and
     parameters (as ``test_kernel_with_bf16_storage_and_float32``)."""
