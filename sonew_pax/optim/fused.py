@@ -739,20 +739,23 @@ def leaf_update(
     halos: tuple[Halo, Halo, Halo] | None = None,
     apply: Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
-    """One tensor's diag (``e`` is ``optax.MaskedNode``) or tridiag step.
+    """One tensor's diag (``e`` is ``optax.MaskedNode``), tridiag or banded (``e`` of ``band >=
+    2`` off-diagonals, :func:`supported`) step.
 
     ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``tile`` is
     ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
     (:func:`tile_view`) with ``num_warps`` warps; default :func:`default_tile`; a tuning knob
     (``benchmarks/kernel_speed.py``, ``benchmarks/profile_update.py``). Band 1 runs
-    ``BAND1_KERNEL``. Returns ``(u, m, d, e, parts)``: the ungrafted direction in
-    ``d``'s dtype, the new state in the stored dtypes, and per tile the norm pairs ``(max |x|,
-    sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4, tiles)``: rows ``scale_adam,
-    sum_adam, scale_u, sum_u`` (``None`` unless ``hyper.graft == "adam"``; each row contiguous, so
-    XLA reduces along the minor axis); see ``chain.merge_norm_parts``.
+    ``BAND1_KERNEL``, bands >= 2 :func:`_band_scan_kernel`. Returns ``(u, m, d, e, parts)``:
+    the ungrafted direction in ``d``'s dtype, the new state in the stored dtypes, and per tile
+    the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
+    tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u`` (``None`` unless ``hyper.graft ==
+    "adam"``; each row contiguous, so XLA reduces along the minor axis); see
+    ``chain.merge_norm_parts``.
 
     Band 1 reads the halo rows of ``(m, d, e)`` from ``halos`` (:func:`gather_halos`, which can
-    gather those of a model's tensors in a few launches); default: gathered here.
+    gather those of a model's tensors in a few launches); default: gathered here. Bands >= 2
+    gather theirs here (:func:`band_halo_rows`).
 
     With ``apply`` (:class:`Apply`) the kernel also reads the parameters and writes them in place,
     updated with ``u``, and returns them in ``u``'s place: 36 B/param for fp32 tridiag, where
