@@ -109,13 +109,18 @@ def use_kernel(monkeypatch):
 @pytest.mark.parametrize("graft", ["adam", "none"])
 def test_kernel_equals_xla(x64, band, kernel, walk, ahead, graft, use_kernel):
     use_kernel(kernel, walk, ahead)
-    shapes = {**SHAPES, **SHAPES_1D}
+    expect, got = _xla_and_kernels({**SHAPES, **SHAPES_1D}, band, graft)
+    _assert_close(expect, got, 1e-11)
+
+
+def _xla_and_kernels(shapes, band, graft):
+    """``run``'s outputs on the XLA path and on the kernels, float64, through a hostile
+    trajectory (``equal`` gradients make every window singular: every edge is cut)."""
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
     kwargs = dict(band=band, graft=graft, precondition_1d=True, stats_dtype=jnp.float64)
     expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    got = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
-    _assert_close(expect, got, 1e-11)
+    return expect, run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
 
 
 @KERNELS
@@ -183,11 +188,7 @@ def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     """Bands 2 and 4 through hostile steps: ``equal`` gradients make every window singular, so
     Algorithm 3 cuts every edge, and the steps after it solve windows near the tolerance."""
     use_kernel("band", None, None)
-    params = {k: jnp.zeros(s, jnp.float64) for k, s in BANDED_SHAPES.items()}
-    grads = _trajectory(BANDED_SHAPES, ["normal", "normal", "equal", "normal", "zero", "normal"])
-    kwargs = dict(band=band, graft=graft, precondition_1d=True, stats_dtype=jnp.float64)
-    expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    got = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    expect, got = _xla_and_kernels(BANDED_SHAPES, band, graft)
     # The near-singular windows after the cuts amplify the two paths' roundings (the kernel
     # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
     _assert_close(expect, got, 1e-9)
