@@ -306,6 +306,8 @@ def test_sharded_tensors_keep_the_xla_path(x64):
     assert fused.supported(ChainLayout.unsharded((6, 7)), 3)  # 2 x 3 rows along axis 0
     assert not fused.supported(ChainLayout.unsharded((6, 7)), 4)
     assert not fused.supported(ChainLayout.unsharded((42,)), 2)  # bands >= 2: at least 2-D
+    assert fused.supported(ChainLayout.unsharded((64, 7)), fused.MAX_KERNEL_BAND)
+    assert not fused.supported(ChainLayout.unsharded((64, 7)), fused.MAX_KERNEL_BAND + 1)
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal"] * 3)
     kwargs = dict(band=1, stats_dtype=jnp.float64)

@@ -42,7 +42,8 @@ runs, so results agree to float rounding (the norms are summed in another order)
 
 Only tensors that live whole on the device take this path (sharded ones need halos from other
 devices, which the XLA path exchanges), with fewer than ``2**31`` elements (int32 offsets), and
-for bands ``b >= 2`` with at least ``2b`` rows along axis 0 (:func:`supported`).
+for bands ``2 <= b <= MAX_KERNEL_BAND`` with at least ``2b`` rows along axis 0
+(:func:`supported`).
 """
 
 from __future__ import annotations
@@ -90,6 +91,11 @@ SCAN_AHEAD = 1
 BANDED_TILE = (64, 128, 4)
 _BANDED_PROGRAMS = 512
 _BANDED_MIN_ROWS = 32
+# The widest band the kernel takes. Its walk keeps (2b - 1) b correlations in registers and
+# factors two b x b windows per element: on an H200 band 4's kernel beat XLA (the autoencoder's
+# 100 epochs in 6.36 s against 7.91), band 10's lost (36.2 s against 18.9, after minutes of
+# compiling; results/autoencoder_band10_pallas.json). Wider bands stay on XLA.
+MAX_KERNEL_BAND = 4
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
 # all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
@@ -121,12 +127,14 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
 
 def supported(layout: ChainLayout, band: int) -> bool:
     """Whether a kernel computes this tensor's step: whole on the device (mesh axes of size 1 are
-    fine: a one-device mesh), int32-indexable (its ``band`` off-diagonals too); for bands >= 2 at
-    least 2-D with ``2 band`` rows along axis 0 (a walk's rows beyond the view's top or bottom
-    wrap into one neighbouring column)."""
+    fine: a one-device mesh), int32-indexable (its ``band`` off-diagonals too); for bands >= 2 up
+    to ``MAX_KERNEL_BAND``, at least 2-D with ``2 band`` rows along axis 0 (a walk's rows beyond
+    the view's top or bottom wrap into one neighbouring column)."""
     shape = layout.shape
     size = math.prod(shape)
     if not all(n == 1 for n in layout.shards) or not 0 < max(band, 1) * size <= _MAX_SIZE:
+        return False
+    if band > MAX_KERNEL_BAND:
         return False
     return band <= 1 or (len(shape) >= 2 and shape[0] >= 2 * band)
 

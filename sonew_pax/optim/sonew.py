@@ -401,8 +401,9 @@ def scale_by_sonew(
         against 3.1x and 2.4x for XLA; band 4's on an H200 5.1x against 11.7x,
         ``benchmarks/README.md``), when ``mesh`` is given or the process has one device (without a
         mesh, several devices' arrays may be sharded by the caller's ``jit``, which cannot
-        partition a kernel); XLA elsewhere: for sharded tensors, and for bands ``b >= 2`` on 1-D
-        tensors or tensors with fewer than ``2b`` rows along axis 0. ``"xla"``: never the
+        partition a kernel); XLA elsewhere: for sharded tensors, bands above
+        ``fused.MAX_KERNEL_BAND`` (4), and bands ``b >= 2`` on 1-D tensors or tensors with fewer
+        than ``2b`` rows along axis 0. ``"xla"``: never the
         kernels; ``"pallas"``: the kernels wherever they apply, also off GPU (in Pallas'
         interpreter: slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
