@@ -147,13 +147,15 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, walk, ahead, use_ker
 # Tensors for bands >= 2: 2-D to 4-D with at least 2 b rows along axis 0 (``fused.supported``),
 # in ``use_kernel``'s 8-row chunks of 64-column blocks (several of each, ragged last ones, a
 # one-row last chunk), whose walks run 3 b - 1 rows past their chunk and wrap into the
-# neighbouring columns of the chain; one exactly 2 b = 8 rows tall for band 4. "short" is too
-# short for band 4 and the 1-D tensor is 1-D: both take the XLA path there.
+# neighbouring columns of the chain; one exactly 2 b = 8 rows tall for band 4; one of a single
+# column (no neighbouring column). "short" is too short for band 4 and the 1-D tensor is 1-D:
+# both take the XLA path there.
 BANDED_SHAPES = {
     "mat": (41, 70),
     "deep": (9, 4, 5),
     "tall": (33, 2, 3),
     "quad": (8, 3, 1, 2),
+    "col": (9, 1),
     "short": (5, 6),
     "vec": (33,),
 }
@@ -193,7 +195,7 @@ def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
     _assert_close(expect, got, 1e-9)
     expected = _on_banded_kernel(BANDED_SHAPES, band)
-    assert set(banded_spy) == expected and len(expected) == (5 if band == 2 else 4)
+    assert set(banded_spy) == expected and len(expected) == (6 if band == 2 else 5)
 
 
 def test_band_halos_are_each_chunks_first_and_last_rows():
