@@ -87,7 +87,8 @@ SCAN_AHEAD = 1
 # 3b - 1 rows around its chunk, and the halo copies are (3b - 1) / rows of the state, so its
 # chunks are longer than band 1's. On an H200 (band 4, graft_lag, the LM set's update:
 # results/profile_update_band4_tiles.json) 64 rows were fastest on its 4M-element tensors (512
-# programs), 32 on its 1M-element ones; 16 rows and 64 columns per program were slower.
+# programs), 32 on its 1M-element ones; 64 columns on 2 warps were within 1% of 128 on 4, and
+# 16 rows were slower.
 BANDED_TILE = (64, 128, 4)
 _BANDED_PROGRAMS = 512
 _BANDED_MIN_ROWS = 32
