@@ -398,6 +398,23 @@ def test_scan_kernel_rejects_columns_fewer_than_lanes(monkeypatch):
         fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 64, 4))
 
 
+def test_banded_kernel_rejects_halo_copies_beyond_int32():
+    """Chunks of one row copy 3b - 1 rows of halo per row of the state: on a 50M-element tensor
+    band 4's copies pass int32 offsets, and the error says so (shapes only: nothing is
+    allocated)."""
+    shape = (50_000, 1_000)
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    e = jax.ShapeDtypeStruct((4, *shape), jnp.float32)
+    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
+
+    def step(g, m, d, e, tile):
+        return fused.leaf_update(g, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=tile)
+
+    with pytest.raises(ValueError, match=r"band 4 on \(50000, 1000\) in chunks of 1 rows"):
+        jax.eval_shape(functools.partial(step, tile=(1, 128, 4)), spec, spec, spec, e)
+    jax.eval_shape(functools.partial(step, tile=(64, 128, 4)), spec, spec, spec, e)
+
+
 def test_leaf_update_rejects_halos_of_another_tile():
     shape = (40, 8)
     m, d = jnp.zeros(shape), jnp.ones(shape)

@@ -789,8 +789,16 @@ def leaf_update(
         halo_size = 2 * pl.cdiv(num_rows, rows) * num_cols  # one array's halo rows
         extra = [h.buffer for h in halos]
         extra.append(jnp.array([h.index * halo_size for h in halos], jnp.int32))
+    elif band:
+        copies = band * pl.cdiv(num_rows, rows) * (3 * band - 1) * num_cols
+        if copies > _MAX_SIZE:
+            raise ValueError(
+                f"band {band} on {shape} in chunks of {rows} rows: {copies} halo elements exceed "
+                "int32 offsets; use longer row chunks (tile)"
+            )
+        extra = _band_halos(m, d, e, rows)
     else:
-        extra = _band_halos(m, d, e, rows) if band else []
+        extra = []
     state = [x.reshape(-1) for x in state]
     step = _step_call(
         shape,
