@@ -179,9 +179,7 @@ def banded_spy(monkeypatch):
 
 
 def _on_banded_kernel(shapes, band):
-    return {
-        s for s in shapes.values() if fused.supported(ChainLayout.unsharded(s), band) and len(s) > 1
-    }
+    return {s for s in shapes.values() if fused.supported(ChainLayout.unsharded(s), band)}
 
 
 @pytest.mark.parametrize(

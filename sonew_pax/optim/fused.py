@@ -523,6 +523,7 @@ def _band_scan_kernel(
     # ``num_rows >= 2 b``, so a walk wraps into one neighbouring column at most).
     below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)  # in row 0
     above, has_above = chain_neighbour(c, shape, -1)  # in the last row
+    above_column = above % num_cols
     span = 3 * b - 1  # halo rows per chunk
     halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one array's halo rows
 
@@ -532,7 +533,7 @@ def _band_scan_kernel(
         chunk or ``2b - 1`` below it (the rows the chunk's outputs depend on)."""
         up, down = t < 0, t >= num_rows
         row = jnp.where(up, t + num_rows, jnp.where(down, t - num_rows, t))
-        column = jnp.where(up, above % num_cols, jnp.where(down, below, c))
+        column = jnp.where(up, above_column, jnp.where(down, below, c))
         on_chain = jnp.where(up, has_above, jnp.where(down, has_below, True))
         chunk = row // rows
         within = row - chunk * rows
@@ -544,20 +545,23 @@ def _band_scan_kernel(
     def read(ref, at, mask):
         return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
 
+    def own(t):
+        """Whether row ``t`` is this chunk's (the walk writes its outputs there)."""
+        return (t >= first) & (t <= last)
+
     def read_state(ref, halo_ref, k, t):
         """Row ``t`` of state array ``k`` of ``ref`` (``e``'s ``k``-th off-diagonal): the chunk's
         own rows as stored, the others' from their halo copies."""
         offset, halo, ok = locate(t)
-        own = (t >= first) & (t <= last)
-        stored = read(ref, k * size + offset, ok & own)
-        return jnp.where(own, stored, read(halo_ref, k * halo_size + halo, ok & ~own))
+        stored = read(ref, k * size + offset, ok & own(t))
+        return jnp.where(own(t), stored, read(halo_ref, k * halo_size + halo, ok & ~own(t)))
 
     def write(ref, at, x, mask):
         plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
 
     def mine(t):
-        """Whether row ``t`` is this chunk's (the walk writes its outputs there)."""
-        return in_cols & (t >= first) & (t <= last)
+        """:func:`own` in this program's columns: where the walk writes."""
+        return in_cols & own(t)
 
     zero = jnp.zeros((cols,), compute)
 
@@ -810,6 +814,7 @@ def leaf_update(
         SCAN_AHEAD if kernel == "scan" else None,
         interpret,
         None if apply is None else (jnp.dtype(apply.params.dtype), bool(apply.decayed)),
+        len(extra),
     )
     applied = []
     if apply is not None:
@@ -823,10 +828,13 @@ def leaf_update(
 
 
 @functools.cache
-def _step_call(shape, band, graft, tile, state_dtypes, kernel, ahead, interpret, apply) -> Callable:
+def _step_call(
+    shape, band, graft, tile, state_dtypes, kernel, ahead, interpret, apply, halo_inputs
+) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` loading ``ahead`` rows ahead, or
     ``"band"`` for bands >= 2) for one static configuration (with the fused apply when ``apply``
-    is the parameters' ``(dtype, decayed)``, not ``None``), jitted and cached:
+    is the parameters' ``(dtype, decayed)``, not ``None``; ``halo_inputs``: how many inputs come
+    between the state and the parameters), jitted and cached:
     the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
     program instead of once per tensor, and whose Triton module the program holds once (the LM
     set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
@@ -837,16 +845,13 @@ def _step_call(shape, band, graft, tile, state_dtypes, kernel, ahead, interpret,
     size, compute = math.prod(shape), state_dtypes[1]
     params_dtype, decayed = apply or (compute, False)
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
-    sizes = (size, size, max(band, 1) * size)
-    outputs += [
-        jax.ShapeDtypeStruct((n,), dtype) for n, dtype in zip(sizes, state_dtypes, strict=False)
-    ]
+    sizes = (size, size, max(band, 1) * size)[: len(state_dtypes)]  # m, d and e
+    outputs += [jax.ShapeDtypeStruct((n,), t) for n, t in zip(sizes, state_dtypes, strict=True)]
     outputs.append(jax.ShapeDtypeStruct((4, *grid), compute))
     # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
     # parameters' (after the halo inputs, before the ratio) with ``apply``.
     aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
     if apply:
-        halo_inputs = 4 if band == 1 else 3 if band else 0  # band 1's halos come with offsets
         aliases[2 + len(state_dtypes) + halo_inputs] = 0
     static = dict(
         shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
