@@ -92,9 +92,12 @@ def write_json(path: str | os.PathLike, obj) -> Path:
 
 
 def _cell(value) -> str:
-    """One table cell: floats with 3 decimals (3 significant digits below 1), None as '-'."""
+    """One table cell: floats with 3 decimals (3 significant digits below 1), None as '-', lists
+    as their cells joined by ' / '."""
     if value is None:
         return "-"
+    if isinstance(value, list | tuple):
+        return " / ".join(_cell(v) for v in value)
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
     return str(value)

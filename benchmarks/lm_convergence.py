@@ -10,10 +10,10 @@ so the model's vocab_size is bound to 256; no SentencePiece training).
 
 Protocol:
 
-* The same data for every run: the training batches of ``--seed`` (default 0; one shared list, on
-  the device), the same held-out batches, the same initial parameters (the same seed), the same
-  number of steps and the same schedule shape (linear warmup, then cosine to 0.1x the peak, as
-  ``runs/pretrain.gin``).
+* The same data for every run of a seed (``--seeds``, default 0): the training batches of that
+  seed (one shared list per seed, on the device) and its initial parameters; the same held-out
+  batches, number of steps and schedule shape (linear warmup, then cosine to 0.1x the peak, as
+  ``runs/pretrain.gin``) for all.
 * Optimizers: AdamW (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 on matrices); Adafactor as in
   the paper (unfactored second moment with Adam-style bias-corrected decay b2, momentum b1 0.9,
   update clipping 1.0 by block RMS, weight decay 1e-3); tridiagonal SONew (band 1, b1 0.9,
@@ -23,13 +23,16 @@ Protocol:
 * One compiled train step per optimizer: the peak learning rate (and SONew's eps) lives in the
   optimizer state (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
 * Held-out loss every ``--eval_every`` steps (and at step 0 and at the end) on the first
-  ``--eval_batches`` held-out batches. Best run per optimizer: lowest final held-out loss.
-* Metric: the first step at which SONew's eval curve reaches AdamW's final held-out loss (linear
-  interpolation between evaluations), and its ratio to the same quantity for AdamW.
+  ``--eval_batches`` held-out batches. With several seeds, each (optimizer, lr, eps) is judged by
+  its eval curve averaged over the seeds (`mean_over_seeds`). Best run per optimizer: lowest
+  final held-out loss.
+* Metric: the first step at which SONew's (mean) eval curve reaches AdamW's final held-out loss
+  (linear interpolation between evaluations), and its ratio to the same quantity for AdamW; also
+  per seed, for the same learning rates.
 
 Runs go round-robin over the optimizers, middle learning rates first (at each learning rate,
-SONew's eps values middle first), and the outputs are rewritten after every run, so a run cut
-short still has comparable sweeps.
+SONew's eps values middle first; every seed of a setting one after the other), and the outputs are
+rewritten after every run, so a run cut short still has comparable sweeps.
 
 Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"device", "date",
 "params", "config", "rows": [{"optimizer", "learning_rate", "eps", "final_eval_loss",
@@ -40,13 +43,16 @@ Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"devi
 faint).
 
 Usage: ``python benchmarks/lm_convergence.py`` (GPU defaults); ``--model tiny`` for CPU;
-``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--plot_only`` redraws the PNG and
-markdown from an existing JSON.
+``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--seeds 0,1,2`` runs every setting
+from each seed (one process, one compiled step per optimizer); ``--merge A.json B.json`` merges
+results of other seeds; ``--plot_only`` redraws the PNG and markdown from an existing JSON.
 """
 
 import argparse
+import copy
 import dataclasses
 import functools
+import json
 import math
 import sys
 import time
@@ -107,11 +113,14 @@ ROW_COLUMNS = (
     "steps_ratio_vs_adafactor",
     "lr_at_grid_edge",
     "eps_at_grid_edge",
+    "seeds",
+    "steps_ratio_vs_adamw_per_seed",
 )
 RUN_COLUMNS = (
     "optimizer",
     "learning_rate",
     "eps",
+    "seed",
     "final_eval_loss",
     "min_eval_loss",
     "ms_per_step",
@@ -237,12 +246,12 @@ def model_config(args: argparse.Namespace):
     return dataclasses.replace(config, vocab_size=vocab, max_len=max(config.max_len, args.seq_len))
 
 
-def load_batches(args: argparse.Namespace) -> tuple[list[dict], list[dict]]:
-    """The first ``--steps`` training batches (``--seed``) and the first ``--eval_batches``
-    held-out."""
+def load_batches(args: argparse.Namespace, seed: int) -> tuple[list[dict], list[dict]]:
+    """The first ``--steps`` training batches in the order of ``seed`` and the first
+    ``--eval_batches`` held-out batches (the same for every seed)."""
     config = data.DataConfig(source=args.source, tokenizer="byte")
     sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size}
-    batches = data.make_train_iterator(**sizes, seed=args.seed, config=config, prefetch=0)
+    batches = data.make_train_iterator(**sizes, seed=seed, config=config, prefetch=0)
     train = [next(batches) for _ in range(args.steps)]
     held_out = data.make_eval_batches(**sizes, config=config, max_batches=args.eval_batches)
     return train, held_out
@@ -260,13 +269,13 @@ class OptimizerRunner:
     name: str
     trainer: Trainer
     init: object
-    seed: int
     compiled: bool = False
 
     @classmethod
     def build(cls, name, config, mesh, rules, args) -> "OptimizerRunner":
         """The Trainer of ``name`` with the unit-peak schedule of the run's length (SONew's eps
-        injected, starting at the first ``--sonew_eps`` value)."""
+        injected, starting at the first ``--sonew_eps`` value). Its dropout stream is the first
+        seed's (the benchmark's models have no dropout)."""
         shape = optimizers.learning_rate_schedule(
             peak_value=1.0,
             warmup_steps=min(args.warmup_steps, args.steps),
@@ -285,16 +294,18 @@ class OptimizerRunner:
             mesh,
             rules,
             (args.batch_size, args.seq_len),
-            args.seed,
+            args.seeds[0],
         )
         init = train_state.make_init_fn(trainer.model, trainer.tx, trainer.layout, trainer.example)
-        return cls(name, trainer, init, args.seed)
+        return cls(name, trainer, init)
 
-    def fresh_state(self, lr: float, eps: float | None = None) -> train_state.TrainState:
-        """The step-0 state (the same parameters for every run) with peak learning rate ``lr``
-        and (SONew) damping ``eps``."""
+    def fresh_state(
+        self, lr: float, eps: float | None = None, seed: int = 0
+    ) -> train_state.TrainState:
+        """The step-0 state (the same parameters for every run of ``seed``) with peak learning
+        rate ``lr`` and (SONew) damping ``eps``."""
         with partitioning.axis_rules_context(self.trainer.mesh, self.trainer.rules):
-            return set_hyperparams(self.init(jax.random.key(self.seed)), peak=lr, eps=eps)
+            return set_hyperparams(self.init(jax.random.key(seed)), peak=lr, eps=eps)
 
 
 # ---------------------------------------------------------------------------------- the runs
@@ -313,10 +324,17 @@ def eval_due(step: int, every: int, last: int) -> bool:
 
 
 def train_run(
-    runner: OptimizerRunner, lr: float, train, held_out, args, eps: float | None = None
+    runner: OptimizerRunner,
+    lr: float,
+    train,
+    held_out,
+    args,
+    eps: float | None = None,
+    seed: int = 0,
 ) -> dict:
-    """Trains one (optimizer, lr, eps) run for ``len(train)`` steps; returns it with its eval
-    curve. ``eps``: SONew's damping (None for the other optimizers).
+    """Trains one (optimizer, lr, eps) run from ``seed``'s parameters for ``len(train)`` steps
+    (``seed``'s batches); returns it with its eval curve. ``eps``: SONew's damping (None for the
+    other optimizers).
 
     Stops early (``diverged``) when the held-out loss is not finite.
     """
@@ -324,7 +342,7 @@ def train_run(
     curve = {"step": [], "eval_loss": [], "train_loss": []}
     pending, diverged = [], False
     start = time.perf_counter()
-    state = runner.fresh_state(lr, eps)
+    state = runner.fresh_state(lr, eps, seed)
     with partitioning.axis_rules_context(trainer.mesh, trainer.rules):
         params0_loss = evaluate(trainer, state.params, held_out)
         curve["step"].append(0)
@@ -345,7 +363,7 @@ def train_run(
             curve["step"].append(step)
             curve["eval_loss"].append(eval_loss if math.isfinite(eval_loss) else None)
             curve["train_loss"].append(_finite_or_none(float(np.mean(window))))
-            _print_progress(run_name(runner.name, lr, eps), step, steps, curve, timed_from)
+            _print_progress(run_name(runner.name, lr, eps, seed), step, steps, curve, timed_from)
             if not math.isfinite(eval_loss):
                 diverged = True
                 break
@@ -358,6 +376,7 @@ def train_run(
         "optimizer": runner.name,
         "learning_rate": lr,
         "eps": eps,
+        "seed": seed,
         "final_eval_loss": None if diverged else curve["eval_loss"][-1],
         "min_eval_loss": min(finite) if finite else None,
         "diverged": diverged,
@@ -373,9 +392,11 @@ def _finite_or_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def run_name(name: str, lr: float, eps: float | None = None) -> str:
-    """``name lr=<lr>`` (and `` eps=<eps>`` for SONew): a run in logs and plot labels."""
-    return f"{name} lr={lr:g}" + ("" if eps is None else f" eps={eps:g}")
+def run_name(name: str, lr: float, eps: float | None = None, seed: int | None = None) -> str:
+    """``name lr=<lr>`` (and `` eps=<eps>`` for SONew, `` seed=<seed>`` when given): a run in
+    logs and plot labels."""
+    text = f"{name} lr={lr:g}" + ("" if eps is None else f" eps={eps:g}")
+    return text + ("" if seed is None else f" seed={seed}")
 
 
 def _print_progress(name, step, steps, curve, timed_from) -> None:
@@ -436,6 +457,52 @@ def steps_to_reach(steps, losses, target: float) -> float | None:
     return None
 
 
+def seeds_of(config: dict) -> list[int]:
+    """The seeds of a result's runs (``config["seeds"]``; older results: ``[config["seed"]]``)."""
+    return list(config.get("seeds") or [config.get("seed", 0)])
+
+
+def mean_over_seeds(runs: list[dict], seeds: list[int]) -> list[dict]:
+    """One run per (optimizer, lr, eps) that has finished every one of ``seeds``, in the order of
+    the runs: its eval and training curves are the means over the seeds (evaluations at the same
+    steps), ``final_eval_loss`` and ``min_eval_loss`` those of the mean curve, ``seed`` None and
+    ``seeds`` the seeds averaged. It is diverged if any seed's run diverged. A run without a
+    ``seed`` (older results) counts as ``seeds[0]``'s. With one seed, the runs as they are."""
+    by_key: dict[tuple, dict[int, dict]] = {}
+    for run in runs:
+        by_key.setdefault(run_key(run), {})[run.get("seed", seeds[0])] = run
+    merged = []
+    for key, per_seed in by_key.items():
+        if any(seed not in per_seed for seed in seeds):
+            continue
+        group = [per_seed[seed] for seed in seeds]
+        if len(group) == 1:
+            merged.append({**group[0], "seed": seeds[0], "seeds": list(seeds)})
+            continue
+        diverged = any(run["diverged"] for run in group)
+        length = min(len(run["curve"]["step"]) for run in group)  # a diverged seed stops early
+        curve = {"step": group[0]["curve"]["step"][:length]}
+        for name in ("eval_loss", "train_loss"):
+            columns = zip(*(run["curve"][name][:length] for run in group), strict=True)
+            curve[name] = [_mean(values) for values in columns]
+        finite = [x for x in curve["eval_loss"] if x is not None]
+        merged.append({
+            **dict(zip(("optimizer", "learning_rate", "eps"), key, strict=True)),
+            "seed": None,
+            "seeds": list(seeds),
+            "final_eval_loss": None if diverged else curve["eval_loss"][-1],
+            "min_eval_loss": min(finite) if finite else None,
+            "diverged": diverged,
+            "curve": curve,
+        })  # fmt: skip
+    return merged
+
+
+def _mean(values) -> float | None:
+    """Mean of ``values``, or None if any is None (a seed without that evaluation)."""
+    return None if any(v is None for v in values) else float(np.mean(values))
+
+
 def best_runs(runs: list[dict]) -> dict[str, dict]:
     """The run with the lowest final held-out loss of each optimizer (diverged runs excluded)."""
     best = {}
@@ -449,13 +516,19 @@ def best_runs(runs: list[dict]) -> dict[str, dict]:
 
 
 def summary_rows(
-    runs: list[dict], lrs: dict[str, list[float]], eps: dict[str, list[float]] | None = None
+    runs: list[dict],
+    lrs: dict[str, list[float]],
+    eps: dict[str, list[float]] | None = None,
+    seeds: list[int] | None = None,
 ) -> list[dict]:
-    """One row per optimizer: its best run (learning rate and eps) and the steps it needs to
-    reach the references' final held-out losses (AdamW's, as the metric; Adafactor's, as the
-    paper compares). ``eps``: the swept eps values per optimizer (SONew's)."""
-    eps = eps or {}
-    best = best_runs(runs)
+    """One row per optimizer: its best setting (learning rate and eps) by the mean over
+    ``seeds`` (default ``[0]``; `mean_over_seeds`) and the steps its mean curve needs to reach
+    the references' final held-out losses (AdamW's, as the metric; Adafactor's, as the paper
+    compares); ``steps_ratio_vs_adamw_per_seed``: the same ratio from each seed's own runs of
+    those settings. ``eps``: the swept eps values per optimizer (SONew's)."""
+    eps, seeds = eps or {}, seeds or [0]
+    best = best_runs(mean_over_seeds(runs, seeds))
+    per_seed = {s: {run_key(r): r for r in runs if r.get("seed", seeds[0]) == s} for s in seeds}
     rows = []
     for name in OPTIMIZERS:
         run = best.get(name)
@@ -469,6 +542,15 @@ def summary_rows(
         }
         for ref in (BASELINE, "adafactor"):
             row.update(_steps_vs(run, best.get(ref), ref))
+        row["seeds"] = len(seeds)
+        row["steps_ratio_vs_adamw_per_seed"] = [
+            _steps_vs(own[run_key(run)], own[run_key(best[BASELINE])], BASELINE)[
+                f"steps_ratio_vs_{BASELINE}"
+            ]
+            if BASELINE in best
+            else None
+            for own in per_seed.values()
+        ]
         grid = sorted(lrs.get(name, []))
         row["lr_at_grid_edge"] = bool(grid) and run["learning_rate"] in (grid[0], grid[-1])
         eps_grid = sorted(eps.get(name) or [])
@@ -509,9 +591,10 @@ def plot(result: dict, path: Path) -> bool:
     import matplotlib.pyplot as plt
 
     best = {run_key(row) for row in result["rows"]}
+    runs = mean_over_seeds(result["runs"], seeds_of(result["config"]))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for ax, zoom in zip(axes, (False, True), strict=True):
-        for run in result["runs"]:
+        for run in runs:
             _plot_run(ax, run, run_key(run) in best, zoom)
         adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
         if adamw is not None:
@@ -520,8 +603,9 @@ def plot(result: dict, path: Path) -> bool:
         ax.set_ylabel("held-out loss (nats/byte)")
         ax.grid(alpha=0.3)
         if zoom:
-            _zoom(ax, result)
-    axes[0].legend(fontsize=8)
+            _zoom(ax, runs, best)
+    if axes[0].get_legend_handles_labels()[0]:  # none before a setting has run every seed
+        axes[0].legend(fontsize=8)
     axes[0].set_title("eval loss (best run per optimizer bold, sweep faint)")
     axes[1].set_title("second half; dotted: AdamW's final loss")
     fig.suptitle(_title(result), fontsize=10)
@@ -547,12 +631,11 @@ def _plot_run(ax, run: dict, is_best: bool, zoom: bool) -> None:
     ax.plot(*zip(*points, strict=True), color=COLORS.get(run["optimizer"]), label=label, **style)
 
 
-def _zoom(ax, result: dict) -> None:
+def _zoom(ax, runs: list[dict], best: set) -> None:
     """y-range of the second half covering the best runs (the faint ones may leave it)."""
-    best = {run_key(row) for row in result["rows"]}
     ys = [
         y
-        for run in result["runs"]
+        for run in runs
         if run_key(run) in best
         for s, y in zip(run["curve"]["step"], run["curve"]["eval_loss"], strict=True)
         if y is not None and s >= run["curve"]["step"][-1] / 2
@@ -564,9 +647,11 @@ def _zoom(ax, result: dict) -> None:
 
 def _title(result: dict) -> str:
     c = result["config"]
+    seeds = seeds_of(c)
+    averaged = f"mean of seeds {','.join(map(str, seeds))}, " if len(seeds) > 1 else ""
     return (
         f"{c['model']} model ({result['params'] / 1e6:.1f}M params, byte tokens), "
-        f"{c.get('source', 'shakespeare')}, "
+        f"{c.get('source', 'shakespeare')}, {averaged}"
         f"{c['steps']} steps x {c['batch_size']}x{c['seq_len']} tokens, "
         f"{result['device']}, {result['date']}"
     )
@@ -579,7 +664,7 @@ def markdown(result: dict) -> str:
         f"# LM convergence\n\n{_title(result)}\n\n"
         "## Best run per optimizer\n\n"
         + common.format_table(result["rows"], ROW_COLUMNS, markdown=True)
-        + _eps_grid(result["runs"])
+        + _eps_grid(mean_over_seeds(result["runs"], seeds_of(result["config"])))
         + "\n## Every run\n\n"
         + common.format_table(result["runs"], RUN_COLUMNS, markdown=True)
     )
@@ -630,13 +715,57 @@ def build_result(
                 "end_factor": args.end_factor,
             },
             "clip_norm": CLIP_NORM,
-            "seed": args.seed,
+            "seeds": args.seeds,
             "learning_rates": lrs,
             "layers": args.layers,
             "hyperparameters": hyperparameters(args.sonew_eps, args.sonew_b2),
             "jax": jax.__version__,
         },
-        "rows": summary_rows(runs, lrs, eps),
+        "rows": summary_rows(runs, lrs, eps, args.seeds),
+        "runs": runs,
+    }
+
+
+# What must agree between results merged over seeds (`merge_results`).
+SAME_CONFIG = ("model", "dtype", "tokenizer", "source", "steps", "batch_size", "seq_len",
+               "eval_every", "eval_batches", "schedule", "clip_norm", "layers")  # fmt: skip
+
+
+def merge_results(results: list[dict]) -> dict:
+    """One result from several runs of this script that differ only in their seeds (and their
+    grids): the runs of all, compared by their seed-averaged curves on the settings every seed
+    has run (`summary_rows`). Raises ValueError when a setting in ``SAME_CONFIG`` differs or a
+    seed repeats."""
+    first = results[0]["config"]
+    for result in results[1:]:
+        for key in SAME_CONFIG:
+            if result["config"].get(key) != first.get(key):
+                raise ValueError(
+                    f"cannot merge: config {key!r} differs ({result['config'].get(key)!r} "
+                    f"against {first.get(key)!r})"
+                )
+    seeds, runs = [], []
+    for result in results:
+        own = seeds_of(result["config"])
+        if set(own) & set(seeds):
+            raise ValueError(f"cannot merge: seeds {sorted(set(own) & set(seeds))} repeat")
+        seeds += own
+        runs += [{**run, "seed": run.get("seed", own[0])} for run in result["runs"]]
+    lrs = {
+        name: sorted(set.intersection(*(set(r["config"]["learning_rates"][name]) for r in results)))
+        for name in OPTIMIZERS
+    }
+    swept = [r["config"]["hyperparameters"][CANDIDATE]["eps"] for r in results]
+    eps = {CANDIDATE: sorted(set.intersection(*(set(np.atleast_1d(e).tolist()) for e in swept)))}
+    config = {**copy.deepcopy(first), "seeds": seeds, "learning_rates": lrs}
+    config.pop("seed", None)
+    config["hyperparameters"][CANDIDATE]["eps"] = eps[CANDIDATE]
+    return {
+        "device": " / ".join(sorted({r["device"] for r in results})),
+        "date": max(r["date"] for r in results),
+        "params": results[0]["params"],
+        "config": config,
+        "rows": summary_rows(runs, lrs, eps, seeds),
         "runs": runs,
     }
 
@@ -666,6 +795,17 @@ def _eps_list(text: str) -> list[float]:
     return values
 
 
+def _seed_list(text: str) -> list[int]:
+    """``--seeds``: a non-empty comma list of distinct integers >= 0."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if not values or min(values) < 0 or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"expected distinct integers >= 0, got {text!r}")
+    return values
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -674,7 +814,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument(
-        "--seed", type=int, default=0, help="seed of the initial parameters and the data order"
+        "--seeds",
+        type=_seed_list,
+        default="0",
+        help="comma-separated seeds (initial parameters and data order); every setting runs "
+        "each, and settings are compared by their eval curves averaged over the seeds",
     )
     p.add_argument(
         "--source",
@@ -717,6 +861,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="redraw the PNG and markdown from --out, run nothing",
     )
+    p.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="run nothing: merge these results (the same settings, other seeds) into --out, "
+        "comparing seed-averaged curves on the settings all of them ran",
+    )
     return p.parse_args(argv)
 
 
@@ -724,11 +875,12 @@ def main(argv=None) -> dict:
     """Runs every (optimizer, lr[, eps]) in this process, writing the outputs after each;
     returns them."""
     args = parse_args(argv)
-    if args.plot_only:
-        import json
-
-        result = json.loads(args.out.read_text())
+    if args.plot_only or args.merge:
+        paths = args.merge or [args.out]
+        results = [json.loads(Path(path).read_text()) for path in paths]
+        result = merge_results(results) if args.merge else results[0]
         write_outputs(result, args.out)
+        print(common.format_table(result["rows"], ROW_COLUMNS), flush=True)
         return result
     lrs = {name: _floats(getattr(args, f"lrs_{name}")) for name in OPTIMIZERS}
     eps = {CANDIDATE: args.sonew_eps}
@@ -736,10 +888,13 @@ def main(argv=None) -> dict:
     mesh = partitioning.make_mesh(data=1, model=1, devices=jax.devices()[:1])
     rules = partitioning.logical_axis_rules()
     start = time.perf_counter()
-    train_np, held_out_np = load_batches(args)
+    train_np, held_out_np = {}, None
+    for seed in args.seeds:
+        train_np[seed], held_out_np = load_batches(args, seed)
     runners = {name: OptimizerRunner.build(name, config, mesh, rules, args) for name in OPTIMIZERS}
     sharding = runners[BASELINE].trainer.batch_sharding
-    train, held_out = to_device(train_np, sharding), to_device(held_out_np, sharding)
+    train = {seed: to_device(batches, sharding) for seed, batches in train_np.items()}
+    held_out = to_device(held_out_np, sharding)
     params = count_params(runners[BASELINE].trainer.layout.abstract.params)
     eval_tokens = int(sum(b["weights"].sum() for b in held_out_np))
     print(
@@ -748,10 +903,10 @@ def main(argv=None) -> dict:
         flush=True,
     )
     runs, result = [], None
-    order = run_order(lrs, eps)
-    for name, lr, run_eps in order:
-        print(f"{run_name(name, lr, run_eps)} (run {len(runs) + 1}/{len(order)})", flush=True)
-        run = train_run(runners[name], lr, train, held_out, args, run_eps)
+    order = [(*setting, seed) for setting in run_order(lrs, eps) for seed in args.seeds]
+    for name, lr, run_eps, seed in order:
+        print(f"{run_name(name, lr, run_eps, seed)} (run {len(runs) + 1}/{len(order)})", flush=True)
+        run = train_run(runners[name], lr, train[seed], held_out, args, run_eps, seed)
         print(
             f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s "
             f"(first step {run['first_step_s']:.1f}s, {run['ms_per_step']:.1f} ms/step)",

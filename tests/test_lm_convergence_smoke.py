@@ -137,25 +137,94 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     assert "by learning rate and eps" not in old.with_suffix(".md").read_text()
 
 
-def test_seed_and_source_flags():
+def test_seeds_and_source_flags():
     parse = lm_convergence.parse_args
-    assert (parse([]).seed, parse([]).source) == (0, "shakespeare")
-    with pytest.raises(SystemExit):
-        parse(["--source", "kjv+shakespeare"])
-    small = ["--batch_size", "2", "--seq_len", "16", "--steps", "2", "--eval_batches", "1"]
-    (train0, held0), (train1, held1) = (
-        lm_convergence.load_batches(parse([*small, "--seed", str(s)])) for s in (0, 1)
-    )
+    assert (parse([]).seeds, parse([]).source) == ([0], "shakespeare")
+    assert parse(["--seeds", "0,1,2"]).seeds == [0, 1, 2]
+    for bad in (["--seeds", ""], ["--seeds", "1,1"], ["--seeds", "-1"], ["--source", "kjv+x"]):
+        with pytest.raises(SystemExit):
+            parse(bad)
+    small = parse(["--batch_size", "2", "--seq_len", "16", "--steps", "2", "--eval_batches", "1"])
+    (train0, held0), (train1, held1) = (lm_convergence.load_batches(small, s) for s in (0, 1))
     assert not (train0[0]["inputs"] == train1[0]["inputs"]).all()  # the data order moves
     assert (held0[0]["inputs"] == held1[0]["inputs"]).all()  # the held-out batches do not
 
 
-def test_empty_learning_rate_list_skips_an_optimizer(tmp_path):
-    out = tmp_path / "seed1.json"
-    argv = [*ARGV[:12], "--steps", "4", "--eval_every", "4", "--warmup_steps", "1", "--seed", "1"]
+def _run(name, lr, seed, losses, diverged=False):
+    curve = {"step": [0, 10, 20][: len(losses)], "eval_loss": losses,
+             "train_loss": [None, *losses[1:]]}  # fmt: skip
+    return {"optimizer": name, "learning_rate": lr, "eps": None, "seed": seed,
+            "final_eval_loss": None if diverged else losses[-1], "diverged": diverged,
+            "curve": curve}  # fmt: skip
+
+
+def test_mean_over_seeds():
+    runs = [
+        _run("adamw", 1.0, 0, [5.0, 3.0, 2.0]),
+        _run("adamw", 1.0, 1, [5.0, 4.0, 3.0]),
+        _run("adamw", 2.0, 0, [5.0, 2.0, 1.0]),  # seed 1 not run yet: left out
+        _run("sonew_tridiag", 1.0, 0, [5.0, 2.0, 1.5]),
+        _run("sonew_tridiag", 1.0, 1, [5.0, None], diverged=True),
+    ]
+    merged = lm_convergence.mean_over_seeds(runs, [0, 1])
+    assert [(r["optimizer"], r["learning_rate"]) for r in merged] == [
+        ("adamw", 1.0), ("sonew_tridiag", 1.0)
+    ]  # fmt: skip
+    adamw, sonew = merged
+    assert adamw["curve"]["eval_loss"] == [5.0, 3.5, 2.5] and adamw["final_eval_loss"] == 2.5
+    assert adamw["curve"]["train_loss"] == [None, 3.5, 2.5] and adamw["seeds"] == [0, 1]
+    assert sonew["diverged"] and sonew["final_eval_loss"] is None
+    assert sonew["curve"]["eval_loss"] == [5.0, None]
+    # one seed: the runs themselves; older runs without "seed" count as the config's seed
+    old = [{k: v for k, v in r.items() if k != "seed"} for r in runs[:1]]
+    assert lm_convergence.mean_over_seeds(old, [3])[0]["final_eval_loss"] == 2.0
+    assert lm_convergence.seeds_of({"seed": 3}) == [3]
+    assert lm_convergence.seeds_of({"seeds": [0, 2]}) == [0, 2]
+
+
+def test_two_seeds_compare_mean_curves(tmp_path):
+    out = tmp_path / "seeds.json"
+    argv = [*ARGV[:12], "--steps", "4", "--eval_every", "2", "--warmup_steps", "1"]
     lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", "1e-3"]
-    written = lm_convergence.main([*argv, *lrs, "--out", str(out)])
-    assert {r["optimizer"] for r in written["runs"]} == {"adamw", "sonew_tridiag"}
-    assert {r["optimizer"] for r in written["rows"]} == {"adamw", "sonew_tridiag"}
-    assert (written["config"]["seed"], written["config"]["source"]) == (1, "shakespeare")
-    assert "shakespeare, 4 steps" in out.with_suffix(".md").read_text()
+    written = lm_convergence.main([*argv, *lrs, "--seeds", "0,1", "--out", str(out)])
+    assert {(r["optimizer"], r["seed"]) for r in written["runs"]} == {
+        (name, seed) for name in ("adamw", "sonew_tridiag") for seed in (0, 1)
+    }
+    assert written["config"]["seeds"] == [0, 1] and written["config"]["source"] == "shakespeare"
+    finals = {(r["optimizer"], r["seed"]): r["final_eval_loss"] for r in written["runs"]}
+    assert finals[("adamw", 0)] != finals[("adamw", 1)]  # the seeds train different models
+    rows = {row["optimizer"]: row for row in written["rows"]}
+    assert set(rows) == {"adamw", "sonew_tridiag"}  # an empty list skips Adafactor
+    for name, row in rows.items():
+        mean = (finals[(name, 0)] + finals[(name, 1)]) / 2
+        assert row["final_eval_loss"] == pytest.approx(mean) and row["seeds"] == 2
+        assert len(row["steps_ratio_vs_adamw_per_seed"]) == 2
+    assert rows["adamw"]["steps_ratio_vs_adamw_per_seed"] == [1.0, 1.0]
+    assert "mean of seeds 0,1, 4 steps" in out.with_suffix(".md").read_text()
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def _result(seed, lrs, runs):
+    config = {key: 1 for key in lm_convergence.SAME_CONFIG}
+    config.update(seed=seed, learning_rates={"adamw": lrs, "adafactor": [], "sonew_tridiag": lrs},
+                  hyperparameters={"sonew_tridiag": {"eps": [1e-9]}})  # fmt: skip
+    return {"device": "cpu", "date": f"d{seed}", "params": 7, "config": config, "runs": runs}
+
+
+def test_merge_results_averages_seeds_on_common_settings():
+    seed0 = _result(0, [1.0, 2.0], [_run("adamw", 1.0, 0, [5.0, 3.0, 2.0]),
+                                    _run("adamw", 2.0, 0, [5.0, 2.0, 1.0])])  # fmt: skip
+    seed1 = _result(1, [1.0], [_run("adamw", 1.0, 1, [5.0, 4.0, 3.0])])
+    for run in seed1["runs"]:
+        del run["seed"]  # older results: the config's seed
+    merged = lm_convergence.merge_results([seed0, seed1])
+    assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
+    assert merged["config"]["learning_rates"]["adamw"] == [1.0]  # lr 2.0 lacks seed 1
+    (row,) = merged["rows"]
+    assert (row["learning_rate"], row["final_eval_loss"]) == (1.0, 2.5)
+    assert row["steps_ratio_vs_adamw_per_seed"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="seeds \\[0\\] repeat"):
+        lm_convergence.merge_results([seed0, seed0])
+    seed1["config"]["steps"] = 2
+    with pytest.raises(ValueError, match="config 'steps' differs"):
+        lm_convergence.merge_results([seed0, seed1])
