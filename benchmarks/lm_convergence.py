@@ -5,8 +5,9 @@ pieces: `sonew_pax.trainer.Trainer` (jitted, state-donating train step with glob
 1.0 from `make_optimizer`; jitted eval step) on a one-device mesh, the model of
 ``configs/models/<--model>.gin`` and an embedded corpus (``--source``: the Shakespeare plays by
 default, or ``shakespeare+kjv`` with the King James Bible, about twice the text) through
-`sonew_pax.data.make_train_iterator` / `make_eval_batches` with the **byte tokenizer** (vocab 256,
-so the model's vocab_size is bound to 256; no SentencePiece training).
+`sonew_pax.data.make_train_iterator` / `make_eval_batches` with the **byte tokenizer** (vocab 256)
+or, with ``--spm_vocab N``, a SentencePiece unigram vocabulary of N pieces trained on the train
+split (cached); the model's vocab_size is bound to the tokenizer's.
 
 Protocol:
 
@@ -239,17 +240,30 @@ def set_hyperparams(state: train_state.TrainState, **values: float) -> train_sta
 # ------------------------------------------------------------------------------ data and model
 
 
+def data_config(args: argparse.Namespace) -> data.DataConfig:
+    """``--source`` with bytes, or with a SentencePiece unigram vocabulary of ``--spm_vocab``."""
+    if not args.spm_vocab:
+        return data.DataConfig(source=args.source, tokenizer="byte")
+    return data.DataConfig(source=args.source, tokenizer="sentencepiece", vocab_size=args.spm_vocab)
+
+
+def tokenizer_name(args: argparse.Namespace) -> str:
+    """The tokenizer as the JSON's config records it."""
+    vocab = data.get_tokenizer(data_config(args)).vocab_size
+    return f"sentencepiece unigram (vocab {vocab})" if args.spm_vocab else f"byte (vocab {vocab})"
+
+
 def model_config(args: argparse.Namespace):
-    """The ``--model`` config with the byte vocabulary (256) and room for ``--seq_len``."""
+    """The ``--model`` config with the tokenizer's vocabulary and room for ``--seq_len``."""
     config = train_step.load_model_config(args.model, args.dtype, args.layers)
-    vocab = data.ByteTokenizer().vocab_size
+    vocab = data.get_tokenizer(data_config(args)).vocab_size
     return dataclasses.replace(config, vocab_size=vocab, max_len=max(config.max_len, args.seq_len))
 
 
 def load_batches(args: argparse.Namespace, seed: int) -> tuple[list[dict], list[dict]]:
     """The first ``--steps`` training batches in the order of ``seed`` and the first
     ``--eval_batches`` held-out batches (the same for every seed)."""
-    config = data.DataConfig(source=args.source, tokenizer="byte")
+    config = data_config(args)
     sizes = {"seq_len": args.seq_len, "batch_size": args.batch_size}
     batches = data.make_train_iterator(**sizes, seed=seed, config=config, prefetch=0)
     train = [next(batches) for _ in range(args.steps)]
@@ -600,7 +614,7 @@ def plot(result: dict, path: Path) -> bool:
         if adamw is not None:
             ax.axhline(adamw["final_eval_loss"], color="gray", ls=":", lw=1)
         ax.set_xlabel("step")
-        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.set_ylabel(f"held-out loss (nats/{_unit(result)})")
         ax.grid(alpha=0.3)
         if zoom:
             _zoom(ax, runs, best)
@@ -645,12 +659,17 @@ def _zoom(ax, runs: list[dict], best: set) -> None:
         ax.set_ylim(min(ys) - pad, max(ys) + pad)
 
 
+def _unit(result: dict) -> str:
+    """What the loss is per: byte or token."""
+    return "byte" if result["config"]["tokenizer"].startswith("byte") else "token"
+
+
 def _title(result: dict) -> str:
     c = result["config"]
     seeds = seeds_of(c)
     averaged = f"mean of seeds {','.join(map(str, seeds))}, " if len(seeds) > 1 else ""
     return (
-        f"{c['model']} model ({result['params'] / 1e6:.1f}M params, byte tokens), "
+        f"{c['model']} model ({result['params'] / 1e6:.1f}M params, {c['tokenizer']} tokens), "
         f"{c.get('source', 'shakespeare')}, {averaged}"
         f"{c['steps']} steps x {c['batch_size']}x{c['seq_len']} tokens, "
         f"{result['device']}, {result['date']}"
@@ -700,7 +719,7 @@ def build_result(
         "config": {
             "model": args.model,
             "dtype": args.dtype,
-            "tokenizer": "byte (vocab 256)",
+            "tokenizer": tokenizer_name(args),
             "source": args.source,
             "data": "embedded corpus, held-out = last 5% of every document",
             "steps": args.steps,
@@ -819,6 +838,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="0",
         help="comma-separated seeds (initial parameters and data order); every setting runs "
         "each, and settings are compared by their eval curves averaged over the seeds",
+    )
+    p.add_argument(
+        "--spm_vocab",
+        type=int,
+        default=0,
+        help="0: byte tokens (vocab 256); N: a SentencePiece unigram vocabulary of N pieces "
+        "trained on the train split of --source (cached), the model's vocab_size bound to it",
     )
     p.add_argument(
         "--source",

@@ -228,3 +228,15 @@ def test_merge_results_averages_seeds_on_common_settings():
     seed1["config"]["steps"] = 2
     with pytest.raises(ValueError, match="config 'steps' differs"):
         lm_convergence.merge_results([seed0, seed1])
+
+
+def test_sentencepiece_vocabulary_binds_the_model(tmp_path):
+    out = tmp_path / "spm.json"
+    argv = [*ARGV[:12], "--steps", "2", "--eval_every", "2", "--warmup_steps", "1"]
+    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", ""]
+    written = lm_convergence.main([*argv, *lrs, "--spm_vocab", "512", "--out", str(out)])
+    assert written["config"]["tokenizer"] == "sentencepiece unigram (vocab 512)"
+    args = lm_convergence.parse_args([*argv, "--spm_vocab", "512"])
+    assert lm_convergence.model_config(args).vocab_size == 512
+    assert lm_convergence.model_config(lm_convergence.parse_args(argv)).vocab_size == 256
+    assert "(vocab 512) tokens" in out.with_suffix(".md").read_text()
