@@ -558,12 +558,7 @@ def summary_rows(
             row.update(_steps_vs(run, best.get(ref), ref))
         row["seeds"] = len(seeds)
         row["steps_ratio_vs_adamw_per_seed"] = [
-            _steps_vs(own[run_key(run)], own[run_key(best[BASELINE])], BASELINE)[
-                f"steps_ratio_vs_{BASELINE}"
-            ]
-            if BASELINE in best
-            else None
-            for own in per_seed.values()
+            _ratio_vs_baseline(own, run, best.get(BASELINE)) for own in per_seed.values()
         ]
         grid = sorted(lrs.get(name, []))
         row["lr_at_grid_edge"] = bool(grid) and run["learning_rate"] in (grid[0], grid[-1])
@@ -574,6 +569,15 @@ def summary_rows(
         row["runs_finished"] = sum(r["optimizer"] == name for r in runs)
         rows.append(row)
     return rows
+
+
+def _ratio_vs_baseline(own: dict[tuple, dict], run: dict, baseline: dict | None) -> float | None:
+    """``steps_ratio_vs_adamw`` of one seed: its own runs (``own``, by `run_key`) of the
+    settings of ``run`` and of the ``baseline`` run (None: no baseline yet)."""
+    if baseline is None:
+        return None
+    ratio = _steps_vs(own[run_key(run)], own[run_key(baseline)], BASELINE)
+    return ratio[f"steps_ratio_vs_{BASELINE}"]
 
 
 def _steps_vs(run: dict, ref: dict | None, ref_name: str) -> dict:
