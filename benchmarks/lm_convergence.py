@@ -829,6 +829,17 @@ def _seed_list(text: str) -> list[int]:
     return values
 
 
+def _vocab_size(text: str) -> int:
+    """``--spm_vocab``: 0 (bytes) or a vocabulary of at least 2 pieces."""
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    if value < 0 or value == 1:
+        raise argparse.ArgumentTypeError(f"expected 0 (bytes) or a size >= 2, got {text!r}")
+    return value
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -845,7 +856,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--spm_vocab",
-        type=int,
+        type=_vocab_size,
         default=0,
         help="0: byte tokens (vocab 256); N: a SentencePiece unigram vocabulary of N pieces "
         "trained on the train split of --source (cached), the model's vocab_size bound to it",

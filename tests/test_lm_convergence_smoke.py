@@ -141,7 +141,9 @@ def test_seeds_and_source_flags():
     parse = lm_convergence.parse_args
     assert (parse([]).seeds, parse([]).source) == ([0], "shakespeare")
     assert parse(["--seeds", "0,1,2"]).seeds == [0, 1, 2]
-    for bad in (["--seeds", ""], ["--seeds", "1,1"], ["--seeds", "-1"], ["--source", "kjv+x"]):
+    bad_flags = (["--seeds", ""], ["--seeds", "1,1"], ["--seeds", "-1"], ["--source", "kjv+x"],
+                 ["--spm_vocab", "-5"], ["--spm_vocab", "1"], ["--spm_vocab", "x"])  # fmt: skip
+    for bad in bad_flags:
         with pytest.raises(SystemExit):
             parse(bad)
     small = parse(["--batch_size", "2", "--seq_len", "16", "--steps", "2", "--eval_batches", "1"])
