@@ -208,10 +208,36 @@ def test_band_halos_are_each_chunks_first_and_last_rows():
     m, d = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
     e = jnp.asarray(rng.normal(size=(2, *shape)), jnp.bfloat16)
     rows = fused.band_halo_rows(20, 16, 2)
-    for x, halo in zip((m, d, e), fused._band_halos(m, d, e, 16), strict=True):
-        assert halo.dtype == x.dtype
+    halos = fused.gather_halos([m, d, e], 16, band=2, shapes=[shape] * 3, interpret=True)
+    assert [h.index for h in halos] == [0, 1, 0]  # m and d share a buffer; e has its own dtype
+    for x, halo in zip((m, d, e), halos, strict=True):
+        assert halo.buffer.dtype == x.dtype and halo.rows == 16
         view = np.asarray(x).reshape(-1, 20, 6)
-        np.testing.assert_array_equal(np.asarray(halo), view[:, rows].reshape(-1))
+        size = view[:, rows].size
+        got = np.asarray(halo.buffer)[halo.index * len(rows) * 6 :][:size]
+        np.testing.assert_array_equal(got, view[:, rows].reshape(-1))
+
+
+def test_gather_halos_packs_sub_arrays_within_int32(monkeypatch):
+    """Band 2's halo launches count ``e``'s off-diagonals as sub-arrays: a launch holds no more
+    sub-arrays than int32 offsets reach (``_MAX_SIZE`` cut to 3 sub-arrays' halo rows here), and
+    every array's rows are where its ``Halo`` says."""
+    shape, band, rows = (20, 6), 2, 8
+    per_sub = 3 * (3 * band - 1) * 6  # 3 chunks of 5 halo rows of 6 columns
+    monkeypatch.setattr(fused, "_MAX_SIZE", 3 * per_sub)
+    rng = np.random.default_rng(1)
+    arrays = [
+        jnp.asarray(rng.normal(size=(n, *shape) if n > 1 else shape), jnp.float32)
+        for n in (1, 1, 2, 1, 1, 2)  # m, d, e of two tensors
+    ]
+    halos = fused.gather_halos(arrays, rows, band=band, shapes=[shape] * 6, interpret=True)
+    assert [h.index for h in halos] == [0, 1, 0, 2, 0, 1]  # [m d] [e e m] [d e e]
+    assert len({id(h.buffer) for h in halos}) == 3
+    slots = fused.band_halo_rows(20, rows, band)
+    for x, halo in zip(arrays, halos, strict=True):
+        expect = np.asarray(x).reshape(-1, 20, 6)[:, slots].reshape(-1)
+        got = np.asarray(halo.buffer)[halo.index * per_sub :][: expect.size]
+        np.testing.assert_array_equal(got, expect)
 
 
 def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
@@ -466,7 +492,7 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
 def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
-    whole update (the band-1 halo gather too) picks the Triton backend, not Mosaic GPU. Two
+    whole update (the halo gather of bands >= 1 too) picks the Triton backend, not Mosaic GPU. Two
     tensors of one shape share one lowered kernel (``fused._step_call``): lowering one per tensor
     took most of the LM set's first step."""
     from jax import export
@@ -478,7 +504,7 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch
     params = {"mat": jnp.zeros((70, 130)), "mat2": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     step = "step" if kernel == "tile" else "scan"
-    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band == 1 else set())
+    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band >= 1 else set())
     # The optax update, and the fused apply (the kernels write the parameters: graft_lag).
     for tx, call in (
         (sonew(0.1, band=band, implementation="pallas"), lambda tx, g, s, p: tx.update(g, s, p)),

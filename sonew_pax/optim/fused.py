@@ -4,8 +4,9 @@ XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) in
 over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
 update the donated state in place: it copies every state array once more. Here:
 
-* **the halo kernel** first copies, for band 1, the first and last row of every row chunk of
-  ``m``, ``d`` and ``e`` into halo rows (:func:`gather_halos`, ``2 / rows`` of the state). These
+* **the halo kernel** first copies, for band b, the first ``2b - 1`` and last ``b`` rows of
+  every row chunk of ``m``, ``d`` and ``e`` into halo rows (:func:`gather_halos`,
+  :func:`band_halo_rows`; for band 1 the first and last row, ``2 / rows`` of the state). These
   are the rows a program reads from its neighbours' chunks (and, at the top and bottom of the
   tensor, the wrapped chain neighbours, :func:`chain_neighbour`); reading the copies, no program
   depends on when another one overwrites its rows. One launch serves many same-shaped tensors;
@@ -22,11 +23,11 @@ update the donated state in place: it copies every state array once more. Here:
   the LM set's update takes 13% less device time on an H100 (results/profile_update_scan.json);
 * bands ``b >= 2`` run **the banded walk** (:func:`_band_scan_kernel`): one lane per column walks
   its chunk from ``b`` rows above to ``2b - 1`` below, solving each vertex's ``b x b`` window
-  twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions. The
-  chunk's first ``2b - 1`` and last ``b`` rows of the state, which other walks read, are
-  gathered by XLA before the kernel (:func:`band_halo_rows`). Band 4 of the LM set takes 5.1x
-  AdamW's device time on an H200, against XLA's 11.7x (results/update_speed_band4_kernel.json):
-  the walk's window solves and its halo rows, not the bytes, bound it;
+  twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions, and
+  reads other chunks' rows from the halo kernel's copies. Band 4 of the LM set takes 5.1x
+  AdamW's device time on an H200 (with the halo rows gathered by XLA), against XLA's 11.7x
+  (results/update_speed_band4_kernel.json): the walk's window solves and its halo rows, not the
+  bytes, bound it;
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``;
@@ -49,6 +50,7 @@ for bands ``2 <= b <= MAX_KERNEL_BAND`` with at least ``2b`` rows along axis 0
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -178,34 +180,47 @@ def _chunk_rows(i, rows: int, num_rows: int):
 
 
 class Halo(NamedTuple):
-    """Where one state array's halo rows live: a flat ``buffer`` that holds the chunk-edge rows
-    of several same-shaped arrays (:func:`gather_halos`), this one's at ``index``, in row chunks
-    of ``rows``. Of the view (:func:`tile_view`) of array ``index``, halo row ``2 i`` (``2 i +
-    1``) is the first (last) row of chunk ``i``; it starts at ``index * 2 * chunks * C``."""
+    """Where one state array's halo rows live: a flat ``buffer`` that holds the halo rows of
+    several same-shaped arrays (:func:`gather_halos`), this one's from sub-array ``index`` on, in
+    row chunks of ``rows``. A sub-array is one ``R x C`` view (:func:`tile_view`): ``m`` and
+    ``d`` have one, ``e`` one per off-diagonal. Its halo rows (:func:`band_halo_rows`: ``3b - 1``
+    per chunk, for band 1 the chunk's first and last row) start at ``sub * chunks * (3b - 1) *
+    C``."""
 
     buffer: jax.Array
     index: int
     rows: int
 
 
-def _halo_kernel(*refs, view, rows, cols):
-    """Program ``(k, i, j)`` copies columns block ``j`` of chunk ``i``'s first and last rows of
-    input ``k`` into its two halo rows (a branch per input: the refs are static)."""
+def _halo_rows(i, rows: int, num_rows: int, band: int) -> list:
+    """Rows of the view in chunk ``i``'s halo slots, as :func:`band_halo_rows`."""
+    first, last = _chunk_rows(i, rows, num_rows)
+    head = [jnp.minimum(first + s, last) for s in range(2 * band - 1)]
+    return head + [jnp.maximum(last - band + 1 + s, first) for s in range(band)]
+
+
+def _halo_kernel(*refs, view, rows, cols, band, counts):
+    """Program ``(s, i, j)`` copies columns block ``j`` of chunk ``i``'s halo rows of sub-array
+    ``s`` (input ``k`` holds ``counts[k]`` sub-arrays, in order; a branch per input: the refs are
+    static) into its slots."""
     *inputs, out_ref = refs
     num_rows, num_cols = view
-    chunks = pl.cdiv(num_rows, rows)
-    k, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    size, chunks, span = num_rows * num_cols, pl.cdiv(num_rows, rows), 3 * band - 1
+    s, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
-    first, last = _chunk_rows(i, rows, num_rows)
-    for index, ref in enumerate(inputs):
+    sources = _halo_rows(i, rows, num_rows, band)
+    start = 0
+    for ref, count in zip(inputs, counts, strict=True):
 
-        @pl.when(k == index)
-        def _copy(index=index, ref=ref):
-            for slot, row in enumerate((first, last)):
-                x = plgpu.load(ref.at[row * num_cols + c], mask=in_cols)
-                at = (index * 2 * chunks + 2 * i + slot) * num_cols + c
+        @pl.when((s >= start) & (s < start + count))
+        def _copy(ref=ref, start=start):
+            for slot, row in enumerate(sources):
+                x = plgpu.load(ref.at[(s - start) * size + row * num_cols + c], mask=in_cols)
+                at = ((s * chunks + i) * span + slot) * num_cols + c
                 plgpu.store(out_ref.at[at], x, mask=in_cols)
+
+        start += count
 
 
 # Inputs per halo launch (each is a kernel argument and a branch of ``_halo_kernel``).
@@ -214,31 +229,54 @@ _HALO_COLS = 512
 
 
 def gather_halos(
-    arrays: list[jax.Array], rows: int | None = None, *, interpret: bool = False
+    arrays: list[jax.Array],
+    rows: int | None = None,
+    *,
+    band: int = 1,
+    shapes: list[tuple[int, ...]] | None = None,
+    interpret: bool = False,
 ) -> list[Halo]:
-    """The halo rows of band-1 state arrays, read before the step kernels overwrite them in place.
+    """The halo rows (:func:`band_halo_rows`) of band-``band`` state arrays, read before the step
+    kernels overwrite them in place.
 
-    Arrays of one view shape and dtype share launches (up to ``_HALO_GROUP`` arrays each), so a
-    model's update adds a few small kernels, not one per tensor. ``rows`` is the step kernel's
-    row chunk (default: :func:`default_tile`'s for each view). Returns one :class:`Halo` per
-    array, in order.
+    Array ``k`` is the state of a parameter of ``shapes[k]`` (default: its own shape): ``m``,
+    ``d``, or ``e`` of ``band`` off-diagonals stacked in front. Arrays of one view shape and
+    dtype share launches (up to ``_HALO_GROUP`` arrays each), so a model's update adds a few
+    small kernels, not one per tensor. ``rows`` is the step kernel's row chunk (default:
+    :func:`default_tile`'s for each view). Returns one :class:`Halo` per array, in order.
     """
+    shapes = shapes or [x.shape for x in arrays]
     groups: dict[tuple, list[int]] = {}
-    for k, x in enumerate(arrays):
-        groups.setdefault((tile_view(x.shape), jnp.dtype(x.dtype)), []).append(k)
+    for k, (x, shape) in enumerate(zip(arrays, shapes, strict=True)):
+        groups.setdefault((tile_view(shape), jnp.dtype(x.dtype)), []).append(k)
     halos: list[Halo | None] = [None] * len(arrays)
     for (view, dtype), members in groups.items():
         num_rows, num_cols = view
-        rows_here = rows or default_tile(1, view)[0]
-        chunks = pl.cdiv(num_rows, rows_here)
-        per_launch = max(1, min(_HALO_GROUP, _MAX_SIZE // (2 * chunks * num_cols)))
-        for start in range(0, len(members), per_launch):
-            part = members[start : start + per_launch]
+        rows_here = rows or default_tile(band, view)[0]
+        chunks, span = pl.cdiv(num_rows, rows_here), 3 * band - 1
+        most = max(1, _MAX_SIZE // (span * chunks * num_cols))  # sub-arrays per int32 buffer
+        counts = {k: arrays[k].size // (num_rows * num_cols) for k in members}
+        launches: list[list[int]] = [[]]
+        for k in members:
+            used = sum(counts[n] for n in launches[-1])
+            if launches[-1] and (len(launches[-1]) == _HALO_GROUP or used + counts[k] > most):
+                launches.append([])
+            launches[-1].append(k)
+        for part in launches:
             cols = min(_HALO_COLS, pl.next_power_of_2(num_cols))
+            subs = [counts[k] for k in part]
             gather = pl.pallas_call(
-                _bind(_halo_kernel, "sonew_halo", view=view, rows=rows_here, cols=cols),
-                grid=(len(part), chunks, pl.cdiv(num_cols, cols)),
-                out_shape=jax.ShapeDtypeStruct((len(part) * 2 * chunks * num_cols,), dtype),
+                _bind(
+                    _halo_kernel,
+                    "sonew_halo",
+                    view=view,
+                    rows=rows_here,
+                    cols=cols,
+                    band=band,
+                    counts=tuple(subs),
+                ),
+                grid=(sum(subs), chunks, pl.cdiv(num_cols, cols)),
+                out_shape=jax.ShapeDtypeStruct((sum(subs) * span * chunks * num_cols,), dtype),
                 interpret=interpret,
                 # Triton's parameters select Triton: without them jax 0.10 lowers for Mosaic GPU,
                 # whose copies reject these rows (tests/test_fused.py lowers both for CUDA).
@@ -246,7 +284,7 @@ def gather_halos(
                 name="sonew_halo",
             )
             buffer = gather(*(arrays[k].reshape(-1) for k in part))
-            for index, k in enumerate(part):
+            for k, index in zip(part, [0, *itertools.accumulate(subs)][:-1], strict=True):
                 halos[k] = Halo(buffer, index, rows_here)
     return halos
 
@@ -461,14 +499,6 @@ def band_halo_rows(num_rows: int, rows: int, band: int) -> list[int]:
     return out
 
 
-def _band_halos(m: jax.Array, d: jax.Array, e: jax.Array, rows: int) -> list[jax.Array]:
-    """The halo rows (:func:`band_halo_rows`) of ``m``, ``d`` and every off-diagonal of ``e``,
-    flat: one XLA gather each, before the step kernel overwrites the state in place."""
-    num_rows, num_cols = tile_view(m.shape)
-    index = jnp.asarray(band_halo_rows(num_rows, rows, e.shape[0]), jnp.int32)
-    return [x.reshape(-1, num_rows, num_cols)[:, index].reshape(-1) for x in (m, d, e)]
-
-
 def _band_scan_kernel(
     scalars_ref,
     g_ref,
@@ -478,6 +508,7 @@ def _band_scan_kernel(
     halo_m,
     halo_d,
     halo_e,
+    starts_ref,
     *refs,
     shape,
     band,
@@ -525,7 +556,8 @@ def _band_scan_kernel(
     above, has_above = chain_neighbour(c, shape, -1)  # in the last row
     above_column = above % num_cols
     span = 3 * b - 1  # halo rows per chunk
-    halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one array's halo rows
+    halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one sub-array's halo rows
+    m0, d0, e0 = (starts_ref[k] for k in range(3))  # each array's first halo element
 
     def locate(t):
         """The walk's row ``t``: ``(offset, halo, ok)``, its flat offset, that of its copy in the
@@ -549,12 +581,13 @@ def _band_scan_kernel(
         """Whether row ``t`` is this chunk's (the walk writes its outputs there)."""
         return (t >= first) & (t <= last)
 
-    def read_state(ref, halo_ref, k, t):
+    def read_state(ref, halo_ref, start, k, t):
         """Row ``t`` of state array ``k`` of ``ref`` (``e``'s ``k``-th off-diagonal): the chunk's
         own rows as stored, the others' from their halo copies."""
         offset, halo, ok = locate(t)
         stored = read(ref, k * size + offset, ok & own(t))
-        return jnp.where(own(t), stored, read(halo_ref, k * halo_size + halo, ok & ~own(t)))
+        at = start + k * halo_size + halo
+        return jnp.where(own(t), stored, read(halo_ref, at, ok & ~own(t)))
 
     def write(ref, at, x, mask):
         plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
@@ -570,9 +603,11 @@ def _band_scan_kernel(
         ``t - b`` (zeros off the chain)."""
         at, _, ok = locate(t)
         raw = pointwise.Raw(
-            read(g_ref, at, ok), read_state(m_ref, halo_m, 0, t), read_state(d_ref, halo_d, 0, t)
+            read(g_ref, at, ok),
+            read_state(m_ref, halo_m, m0, 0, t),
+            read_state(d_ref, halo_d, d0, 0, t),
         )
-        return raw, tuple(read_state(e_ref, halo_e, k, t - 1 - k) for k in range(b))
+        return raw, tuple(read_state(e_ref, halo_e, e0, k, t - 1 - k) for k in range(b))
 
     def load_own(t) -> tuple[pointwise.Raw, tuple]:
         """:func:`load` of a row ``t`` with ``t - b`` in the chunk: every value is the chunk's
@@ -766,9 +801,9 @@ def leaf_update(
     "adam"``; each row contiguous, so XLA reduces along the minor axis); see
     ``chain.merge_norm_parts``.
 
-    Band 1 reads the halo rows of ``(m, d, e)`` from ``halos`` (:func:`gather_halos`, which can
-    gather those of a model's tensors in a few launches); default: gathered here. Bands >= 2
-    gather theirs here (:func:`band_halo_rows`).
+    Bands >= 1 read the halo rows of ``(m, d, e)`` (:func:`band_halo_rows`) from ``halos``
+    (:func:`gather_halos`, which can gather those of a model's tensors in a few launches);
+    default: gathered here.
 
     With ``apply`` (:class:`Apply`) the kernel also reads the parameters and writes them in place,
     updated with ``u``, and returns them in ``u``'s place: 36 B/param for fp32 tridiag, where
@@ -786,23 +821,21 @@ def leaf_update(
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
     state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
-    if band == 1:
-        halos = halos or gather_halos(state, rows, interpret=interpret)
+    extra = []
+    if band:
+        halo_size = (3 * band - 1) * pl.cdiv(num_rows, rows) * num_cols  # one sub-array's
+        if band * halo_size > _MAX_SIZE:
+            raise ValueError(
+                f"band {band} on {shape} in chunks of {rows} rows: {band * halo_size} halo "
+                "elements exceed int32 offsets; use longer row chunks (tile)"
+            )
+        halos = halos or gather_halos(
+            state, rows, band=band, shapes=[shape] * 3, interpret=interpret
+        )
         if any(h.rows != rows for h in halos):
             raise ValueError(f"halos gathered in chunks of {halos[0].rows} rows, tile has {rows}")
-        halo_size = 2 * pl.cdiv(num_rows, rows) * num_cols  # one array's halo rows
         extra = [h.buffer for h in halos]
         extra.append(jnp.array([h.index * halo_size for h in halos], jnp.int32))
-    elif band:
-        copies = band * pl.cdiv(num_rows, rows) * (3 * band - 1) * num_cols
-        if copies > _MAX_SIZE:
-            raise ValueError(
-                f"band {band} on {shape} in chunks of {rows} rows: {copies} halo elements exceed "
-                "int32 offsets; use longer row chunks (tile)"
-            )
-        extra = _band_halos(m, d, e, rows)
-    else:
-        extra = []
     state = [x.reshape(-1) for x in state]
     step = _step_call(
         shape,

@@ -210,7 +210,7 @@ def _leaf_step(
     """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
 
     With ``kernels`` (:func:`_kernels_enabled`) the step of a tensor whole on its device runs as
-    a Pallas kernel (band 1 with its state's ``halos``, :func:`_halos`; bands >= 2 where
+    a Pallas kernel (bands >= 1 with their state's ``halos``, :func:`_halos`; bands >= 2 where
     ``fused.supported``), everything else on XLA.
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
@@ -258,16 +258,25 @@ def _on_kernel(kernels: bool, layout: ChainLayout, band: int, hyper: Hyper) -> b
 
 
 def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool) -> list:
-    """The halo rows of every band-1 kernel tensor's ``(m, d, e)`` (``fused.gather_halos``),
+    """The halo rows of every kernel tensor's ``(m, d, e)`` (bands >= 1; ``fused.gather_halos``),
     gathered together before any step kernel overwrites its state: a few launches per model
     instead of one per tensor. ``None`` for the other tensors."""
+    bands = [_band(ei) for ei in e]  # 0 where a tensor has no off-diagonals (1-D)
     on = [
-        _band(ei) == 1 and _on_kernel(kernels, lay, 1, hyper)
-        for ei, lay in zip(e, layouts, strict=True)
+        band >= 1 and _on_kernel(kernels, lay, band, hyper)
+        for band, lay in zip(bands, layouts, strict=True)
     ]
-    arrays = [x for k, flag in enumerate(on) if flag for x in (m[k], d[k], e[k][0])]
-    gathered = iter(fused.gather_halos(arrays, interpret=_interpret()) if arrays else [])
-    return [tuple(next(gathered) for _ in range(3)) if flag else None for flag in on]
+    halos: list = [None] * len(on)
+    for band in sorted({b for b, flag in zip(bands, on, strict=True) if flag}):
+        members = [k for k, flag in enumerate(on) if flag and bands[k] == band]
+        arrays = [x for k in members for x in (m[k], d[k], e[k])]
+        shapes = [layouts[k].shape for k in members for _ in range(3)]
+        gathered = iter(
+            fused.gather_halos(arrays, band=band, shapes=shapes, interpret=_interpret())
+        )
+        for k in members:
+            halos[k] = tuple(next(gathered) for _ in range(3))
+    return halos
 
 
 # Tensors whose graft ratios one reduction computes. The ratios are then written to one scalar
