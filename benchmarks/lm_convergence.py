@@ -56,6 +56,7 @@ import functools
 import json
 import math
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -626,7 +627,7 @@ def plot(result: dict, path: Path) -> bool:
         axes[0].legend(fontsize=8)
     axes[0].set_title("eval loss (best run per optimizer bold, sweep faint)")
     axes[1].set_title("second half; dotted: AdamW's final loss")
-    fig.suptitle(_title(result), fontsize=10)
+    fig.suptitle(textwrap.fill(_title(result), 130), fontsize=10)  # long titles wrap, not clip
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
