@@ -24,10 +24,10 @@ update the donated state in place: it copies every state array once more. Here:
 * bands ``b >= 2`` run **the banded walk** (:func:`_band_scan_kernel`): one lane per column walks
   its chunk from ``b`` rows above to ``2b - 1`` below, solving each vertex's ``b x b`` window
   twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions, and
-  reads other chunks' rows from the halo kernel's copies. Band 4 of the LM set takes 5.1x
-  AdamW's device time on an H200 (with the halo rows gathered by XLA), against XLA's 11.7x
-  (results/update_speed_band4_kernel.json): the walk's window solves and its halo rows, not the
-  bytes, bound it;
+  reads other chunks' rows from the halo kernel's copies. Band 4 of the LM set takes 4.9x
+  AdamW's device time on an H200 (5.0x with the halo rows gathered by XLA), against XLA's 11.7x
+  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json): the walk's
+  window solves and its halo rows, not the bytes, bound it;
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``;
