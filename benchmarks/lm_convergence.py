@@ -248,14 +248,17 @@ def data_config(args: argparse.Namespace) -> data.DataConfig:
     return data.DataConfig(source=args.source, tokenizer="sentencepiece", vocab_size=args.spm_vocab)
 
 
-def tokenizer_name(args: argparse.Namespace) -> str:
-    """The tokenizer as the JSON's config records it."""
-    vocab = data.get_tokenizer(data_config(args)).vocab_size
+def tokenizer_name(args: argparse.Namespace, vocab: int) -> str:
+    """The tokenizer of ``args``, whose vocabulary has ``vocab`` entries, as the JSON's config
+    records it."""
     return f"sentencepiece unigram (vocab {vocab})" if args.spm_vocab else f"byte (vocab {vocab})"
 
 
 def model_config(args: argparse.Namespace):
-    """The ``--model`` config with the tokenizer's vocabulary and room for ``--seq_len``."""
+    """The ``--model`` config with the tokenizer's vocabulary and room for ``--seq_len``.
+
+    Building a SentencePiece tokenizer rereads the corpus to find its cached model, so a run
+    asks once and keeps the vocabulary size from here."""
     config = train_step.load_model_config(args.model, args.dtype, args.layers)
     vocab = data.get_tokenizer(data_config(args)).vocab_size
     return dataclasses.replace(config, vocab_size=vocab, max_len=max(config.max_len, args.seq_len))
@@ -714,9 +717,15 @@ def _eps_grid(runs: list[dict]) -> str:
 
 
 def build_result(
-    runs: list[dict], lrs: dict, args: argparse.Namespace, params: int, eps: dict | None = None
+    runs: list[dict],
+    lrs: dict,
+    args: argparse.Namespace,
+    params: int,
+    tokenizer: str,
+    eps: dict | None = None,
 ) -> dict:
-    """The JSON object for the runs finished so far (``eps``: the swept eps values, SONew's)."""
+    """The JSON object for the runs finished so far (``tokenizer``: `tokenizer_name`; ``eps``:
+    the swept eps values, SONew's)."""
     return {
         "device": common.device_name(),
         "date": common.utc_date(),
@@ -724,7 +733,7 @@ def build_result(
         "config": {
             "model": args.model,
             "dtype": args.dtype,
-            "tokenizer": tokenizer_name(args),
+            "tokenizer": tokenizer,
             "source": args.source,
             "data": "embedded corpus, held-out = last 5% of every document",
             "steps": args.steps,
@@ -927,6 +936,7 @@ def main(argv=None) -> dict:
     lrs = {name: _floats(getattr(args, f"lrs_{name}")) for name in OPTIMIZERS}
     eps = {CANDIDATE: args.sonew_eps}
     config = model_config(args)
+    tokenizer = tokenizer_name(args, config.vocab_size)  # not per run: see model_config
     mesh = partitioning.make_mesh(data=1, model=1, devices=jax.devices()[:1])
     rules = partitioning.logical_axis_rules()
     start = time.perf_counter()
@@ -955,7 +965,7 @@ def main(argv=None) -> dict:
             flush=True,
         )
         runs.append(run)
-        result = build_result(runs, lrs, args, params, eps)
+        result = build_result(runs, lrs, args, params, tokenizer, eps)
         result["config"]["eval_tokens"] = eval_tokens
         write_outputs(result, args.out)
     print(common.format_table(result["rows"], ROW_COLUMNS), flush=True)
