@@ -40,7 +40,7 @@ from sonew_pax.optim import fused, pointwise
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
 # (rows, cols, num_warps) of a program's tile, as ``--tiles`` and ``--scan_tiles`` spell them
 TILES = "16x64x4,16x64x8,8x64x4,8x128x4,8x128x8,16x128x8,32x64x8,32x32x4,16x32x2"
-SCAN_TILES = "16x256x2,8x256x2,32x256x2,8x128x1,16x128x1,16x512x4"
+SCAN_TILES = "64x64x2,32x64x2,64x128x4,128x32x2,32x128x2"
 UPDATES = "adamw,sonew_diag,sonew_diag_pallas,sonew_tridiag,sonew_tridiag_pallas"
 
 

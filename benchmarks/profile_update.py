@@ -124,6 +124,17 @@ def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:
     return {"optimizer": name, **summary}
 
 
+def _counts(text: str) -> list[int]:
+    """``--scan_stacks``: a comma list of powers of 2."""
+    try:
+        counts = [int(k) for k in text.split(",") if k]
+    except ValueError:
+        counts = []
+    if not counts or any(k < 1 or k & (k - 1) for k in counts):
+        raise argparse.ArgumentTypeError(f"expected powers of 2, got {text!r}")
+    return counts
+
+
 def _kernels(text: str) -> list[str]:
     """``--band1_kernels``: a comma list of ``tile`` and ``scan``."""
     kernels = [k for k in text.split(",") if k]
@@ -133,19 +144,22 @@ def _kernels(text: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def band1(kernel: str, tile: tuple[int, int, int] | None):
+def band1(kernel: str, tile: tuple[int, int, int] | None, stack: int | None = None):
     """Within: band-1 updates built run ``kernel`` (``fused.BAND1_KERNEL``) with default tile
-    ``tile`` (when given); restored after."""
-    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE
+    ``tile`` and, for the scan, ``stack`` walks per program (``fused.SCAN_STACK``), when given;
+    restored after."""
+    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK
     fused.BAND1_KERNEL = kernel
     if tile and kernel == "scan":
         fused.SCAN_TILE = tile
     elif tile:
         fused.TILES[1] = tile
+    if stack:
+        fused.SCAN_STACK = stack
     try:
         yield
     finally:
-        fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE = saved
+        fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK = saved
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -169,6 +183,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="RxCxW,...: profile every optimizer once per band-1 kernel tile (the kernel's "
         "default set to it; rows named optimizer@RxCxW, or optimizer@kernel:RxCxW), to tune "
         "the tile on the whole update, where kernel_speed.py's one tensor stays partly in L2",
+    )
+    p.add_argument(
+        "--scan_stacks",
+        type=_counts,
+        help="S,...: profile every optimizer once per number of walks the band-1 scan stacks in "
+        "a program (fused.SCAN_STACK; rows named optimizer@...:sS)",
     )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
@@ -194,16 +214,18 @@ def main(argv=None) -> dict:
         "rows": [],
     }
     settings = [
-        (kernel, tile)
+        (kernel, tile, stack)
         for kernel in args.band1_kernels or [fused.BAND1_KERNEL]
         for tile in args.band1_tiles or [None]
+        for stack in args.scan_stacks or [None]
     ]
-    for kernel, tile in settings:
+    for kernel, tile, stack in settings:
         suffix = [kernel] if args.band1_kernels else []
         suffix += ["x".join(map(str, tile))] if tile else []
+        suffix += [f"s{stack}"] if stack else []
         for name in names:
             label = f"{name}@{':'.join(suffix)}" if suffix else name
-            with band1(kernel, tile):
+            with band1(kernel, tile, stack):
                 row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
             row["optimizer"] = label
             result["rows"].append(row)

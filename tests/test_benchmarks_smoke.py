@@ -250,19 +250,21 @@ def test_profile_update_band1_tiles(tmp_path):
 
 
 def test_profile_update_band1_kernels(tmp_path):
-    """Rows per (kernel, tile); the kernel and both default tiles are restored."""
-    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE
+    """Rows per (kernel, tile, stack); the kernel, both default tiles and the stack are
+    restored."""
+    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK
     argv = ["--optimizers", "sonew_tridiag_pallas", "--warmup", "0", "--iters", "1", *TINY]
-    argv += ["--band1_kernels", "tile,scan", "--band1_tiles", "8x64x2"]
+    argv += ["--band1_kernels", "tile,scan", "--band1_tiles", "8x64x2", "--scan_stacks", "2"]
     out = tmp_path / "p.json"
     written = _read(out, profile_update.main([*argv, "--out", str(out)]))
     assert [row["optimizer"] for row in written["rows"]] == [
-        "sonew_tridiag_pallas@tile:8x64x2",
-        "sonew_tridiag_pallas@scan:8x64x2",
+        "sonew_tridiag_pallas@tile:8x64x2:s2",
+        "sonew_tridiag_pallas@scan:8x64x2:s2",
     ]
-    assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE) == saved
-    with pytest.raises(SystemExit):
-        profile_update.parse_args(["--band1_kernels", "tile,rows"])
+    assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK) == saved
+    for bad in (["--band1_kernels", "tile,rows"], ["--scan_stacks", "3"], ["--scan_stacks", "x"]):
+        with pytest.raises(SystemExit):
+            profile_update.parse_args(bad)
 
 
 def test_step_counts_must_be_whole_and_large_enough():

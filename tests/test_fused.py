@@ -74,31 +74,32 @@ def test_chain_neighbour_is_the_fortran_order_successor(shape):
         np.testing.assert_array_equal(np.asarray(got)[expect_exists], order[target[expect_exists]])
 
 
-# Band 0, band 1's tile kernel, and its scan kernel in 64-column blocks (several per test tensor)
-# walking 8 rows (what ``default_tile`` gives tensors this small) with the default
-# ``SCAN_AHEAD``, or 16 (as on the LM set's large tensors) loading 3 rows ahead (more than a
-# ragged chunk has left).
+# Band 0, band 1's tile kernel, and its scan kernel in blocks of 16 rows and 64 columns (several
+# per test tensor, ragged) walking 8 rows (2 walks per block) with the default ``SCAN_AHEAD``, or
+# 4 rows (4 walks; the ragged blocks' last walks are short or empty) loading 3 rows ahead (more
+# than a walk has left), so walks read each other's edge rows within a block and the halo copies
+# across blocks.
 _KERNELS = [
     (0, "tile", None, None),
     (1, "tile", None, None),
-    (1, "scan", 8, None),
-    (1, "scan", 16, 3),
+    (1, "scan", 2, None),
+    (1, "scan", 4, 3),
 ]
-KERNELS = pytest.mark.parametrize("band, kernel, walk, ahead", _KERNELS)
+KERNELS = pytest.mark.parametrize("band, kernel, stack, ahead", _KERNELS)
 # ... and bands 2 and 4 (``fused._band_scan_kernel``), for the tests whose tensors suit them all.
 ALL_KERNELS = pytest.mark.parametrize(
-    "band, kernel, walk, ahead", [*_KERNELS, (2, "band", None, None), (4, "band", None, None)]
+    "band, kernel, stack, ahead", [*_KERNELS, (2, "band", None, None), (4, "band", None, None)]
 )
 
 
 @pytest.fixture
 def use_kernel(monkeypatch):
-    def use(kernel: str, walk: int | None, ahead: int | None) -> None:
+    def use(kernel: str, stack: int | None, ahead: int | None) -> None:
         monkeypatch.setattr(fused, "BANDED_TILE", (8, 64, 2))
         monkeypatch.setattr(fused, "BAND1_KERNEL", "tile" if kernel == "band" else kernel)
         monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
-        if walk:
-            monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", walk)
+        if stack:
+            monkeypatch.setattr(fused, "SCAN_STACK", stack)
         if ahead:
             monkeypatch.setattr(fused, "SCAN_AHEAD", ahead)
 
@@ -107,8 +108,8 @@ def use_kernel(monkeypatch):
 
 @KERNELS
 @pytest.mark.parametrize("graft", ["adam", "none"])
-def test_kernel_equals_xla(x64, band, kernel, walk, ahead, graft, use_kernel):
-    use_kernel(kernel, walk, ahead)
+def test_kernel_equals_xla(x64, band, kernel, stack, ahead, graft, use_kernel):
+    use_kernel(kernel, stack, ahead)
     expect, got = _xla_and_kernels({**SHAPES, **SHAPES_1D}, band, graft)
     _assert_close(expect, got, 1e-11)
 
@@ -124,11 +125,11 @@ def _xla_and_kernels(shapes, band, graft):
 
 
 @KERNELS
-def test_kernel_with_bf16_storage_and_float32(band, kernel, walk, ahead, use_kernel):
+def test_kernel_with_bf16_storage_and_float32(band, kernel, stack, ahead, use_kernel):
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
-    use_kernel(kernel, walk, ahead)
+    use_kernel(kernel, stack, ahead)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
@@ -297,12 +298,12 @@ def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     reason="CPUs treat subnormal numbers as zero (DAZ): only GPU arithmetic shows the overflow",
 )
 @ALL_KERNELS
-def test_kernel_norms_of_subnormal_directions(band, kernel, walk, ahead, use_kernel):
+def test_kernel_norms_of_subnormal_directions(band, kernel, stack, ahead, use_kernel):
     """float32 directions whose entries are all subnormal (``|x| < 2^-126``, as the decayed
     moments of rarely lit MNIST pixels): every tile's (and every scan lane's) largest ``|x|`` is
     subnormal, whose reciprocal overflows. The kernels' norms stay finite and their graft ratios
     equal the XLA path's (``fused._scale_floor``); without the floor this test fails on a GPU."""
-    use_kernel(kernel, walk, ahead)
+    use_kernel(kernel, stack, ahead)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
     params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
     grads = [
@@ -413,13 +414,17 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
     assert len({id(h.buffer) for h in halos}) == 5
 
 
-def test_scan_kernel_rejects_columns_fewer_than_lanes(monkeypatch):
+def test_scan_kernel_rejects_blocks_smaller_than_its_lanes(monkeypatch):
+    """A scan block of ``SCAN_STACK`` walks by ``cols`` needs a lane per element: 4 walks of 16
+    columns are 64 elements for 128 lanes."""
     monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
+    monkeypatch.setattr(fused, "SCAN_STACK", 4)
     shape = (40, 64)
     m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
     hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
-    with pytest.raises(ValueError, match="64 columns for 32 x 4 lanes"):
-        fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 64, 4))
+    with pytest.raises(ValueError, match="16 rows in 4 walks of 16 columns for 32 x 4 lanes"):
+        fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 16, 4))
+    fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 32, 4))
 
 
 def test_banded_kernel_rejects_halo_copies_beyond_int32():
@@ -451,27 +456,32 @@ def test_leaf_update_rejects_halos_of_another_tile():
 
 
 def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
-    """The scan halves its rows (down to ``_SCAN_MIN_ROWS``) until a tensor has
-    ``_SCAN_PROGRAMS`` programs; band 0 and the tile kernel keep their tiles; the halos follow
-    the step's rows."""
+    """The scan halves its rows (down to walks of ``_SCAN_MIN_WALK``) until a tensor has
+    ``_SCAN_LANES`` walks times columns; band 0 and the tile kernel keep their tiles; the halos
+    follow the step's rows."""
     monkeypatch.setattr(fused, "BAND1_KERNEL", "tile")
     assert fused.default_tile(1, (70, 130)) == fused.TILES[1]
     monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
-    monkeypatch.setattr(fused, "SCAN_TILE", (32, 256, 2))
-    monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 1024)
-    monkeypatch.setattr(fused, "_SCAN_MIN_ROWS", 8)
+    monkeypatch.setattr(fused, "SCAN_TILE", (128, 64, 2))
+    monkeypatch.setattr(fused, "SCAN_STACK", 4)
+    monkeypatch.setattr(fused, "_SCAN_LANES", 2**18)
+    monkeypatch.setattr(fused, "_SCAN_MIN_WALK", 8)
     rows = {
-        (4096, 2048): 32,  # 128 x 8 programs of 32 rows
-        (1024, 4096): 16,  # 32 x 16 programs at 32 rows, 64 x 16 at 16
-        (4096, 1024): 16,
-        (1024, 1024): 8,  # 512 programs at 8 rows: the shortest walk
-        (16384, 4, 64): 16,  # the view is 16384 x 256
-        (70, 130): 8,
-        (100000,): 8,  # one row
+        (4096, 2048): 128,  # walks of 32 rows: 128 x 2048 lanes
+        (1024, 4096): 64,  # 32 x 4096 lanes in walks of 32 rows, 64 x 4096 in walks of 16
+        (4096, 1024): 64,
+        (1024, 1024): 32,  # 128 x 1024 lanes in walks of 8: the shortest walk
+        (16384, 4, 64): 64,  # the view is 16384 x 256
+        (70, 130): 32,
+        (100000,): 32,  # one row
     }
     for shape, expect in rows.items():
-        assert fused.default_tile(1, shape) == (expect, 256, 2), shape
+        assert fused.default_tile(1, shape) == (expect, 64, 2), shape
         assert fused.default_tile(0, shape) == fused.TILES[0]
+    # One walk per program: the walk is the block.
+    monkeypatch.setattr(fused, "SCAN_STACK", 1)
+    assert fused.default_tile(1, (1024, 4096)) == (16, 64, 2)
+    assert fused.default_tile(1, (1024, 1024)) == (8, 64, 2)
     # Bands >= 2 likewise, from BANDED_TILE's 64 rows down to 32.
     monkeypatch.setattr(fused, "BANDED_TILE", (64, 128, 4))
     monkeypatch.setattr(fused, "_BANDED_PROGRAMS", 512)
@@ -480,16 +490,14 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     for shape, expect in banded.items():
         assert fused.default_tile(4, shape) == (expect, 128, 4), shape
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
-    monkeypatch.setattr(fused, "_SCAN_PROGRAMS", 64)  # the second has 8 x 5 programs at 8 rows
+    monkeypatch.setattr(fused, "_SCAN_LANES", 2**14)  # the second has 5 x 2048 lanes at 8 rows
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]
-    monkeypatch.setattr(
-        fused, "_SCAN_PROGRAMS", 16
-    )  # 2 x 8 programs at 32 rows; 1 x 3 for the first
+    monkeypatch.setattr(fused, "_SCAN_LANES", 2**12)  # 2 x 2048 lanes at 32 rows; the first, never
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 32]
 
 
 @ALL_KERNELS
-def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch, use_kernel):
+def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
     whole update (the halo gather of bands >= 1 too) picks the Triton backend, not Mosaic GPU. Two
@@ -497,7 +505,7 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, walk, ahead, monkeypatch
     took most of the LM set's first step."""
     from jax import export
 
-    use_kernel(kernel, walk, ahead)
+    use_kernel(kernel, stack, ahead)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
 

@@ -16,11 +16,13 @@ update the donated state in place: it copies every state array once more. Here:
   input), and writes the direction ``u``, per tile the partial norms of Adam's direction and of
   ``u`` as ``(max |x|, sum (x / max)^2)`` pairs (safe from overflow and underflow, like
   ``chain.norms``), and the new state **in place**;
-* band 1 runs, by default, **the scan kernel** (``BAND1_KERNEL = "scan"``): a program walks
-  down its ``rows`` rows, one lane per column, carrying the previous row's per-position
-  quantities (``pointwise.vertex``), so it reads each array once and computes each vertex and
-  edge once where the tile kernel (``BAND1_KERNEL = "tile"``) reads three rows and recomputes:
-  the LM set's update takes 13% less device time on an H100 (results/profile_update_scan.json);
+* band 1 runs, by default, **the scan kernel** (``BAND1_KERNEL = "scan"``): each lane of a
+  program walks down a few rows of one column (``SCAN_STACK`` walks per program, one under
+  another), carrying the previous row's per-position quantities (``pointwise.vertex``), so it
+  reads each array once and computes each vertex and edge once where the tile kernel
+  (``BAND1_KERNEL = "tile"``) reads three rows and recomputes: the LM set's update takes 13% less
+  device time on an H100 (results/profile_update_scan.json). The walks of a program read each
+  other's edge rows before a barrier, so only the program's edges need halo rows;
 * bands ``b >= 2`` run **the banded walk** (:func:`_band_scan_kernel`): one lane per column walks
   its chunk from ``b`` rows above to ``2b - 1`` below, solving each vertex's ``b x b`` window
   twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions, and
@@ -71,15 +73,18 @@ from sonew_pax.optim.chain import ChainLayout
 # slower: results/profile_update_tile32x32.json against results/profile_update.json.)
 TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
 # Band 1's kernel: "scan" (``_scan_kernel``, the default) or "tile" (``_step_kernel``, as band
-# 0's; see the module docstring). The scan's default tile: it walks its rows one after another,
-# so a small tensor gets shorter walks (halved down to ``_SCAN_MIN_ROWS``) until it has
-# ``_SCAN_PROGRAMS`` programs to spread over the GPU; on an H100
-# (results/profile_update_scan_tiles.json) 16 rows were fastest on the LM set's 4M-element
-# tensors (1024 programs), 8 on its 1M-element ones.
+# 0's; see the module docstring). The scan's default tile: a program covers ``rows x cols`` of the
+# view in ``SCAN_STACK`` walks of ``rows / SCAN_STACK`` rows, one under another; the chain is
+# serial, so a small tensor gets shorter walks (rows halved, down to walks of ``_SCAN_MIN_WALK``)
+# until it has ``_SCAN_LANES`` walks times columns to spread over the GPU. On an H100 (one walk per
+# program, results/profile_update_scan_tiles.json) walks of 16 rows were fastest on the LM set's
+# 4M-element tensors, 8 on its 1M-element ones (2**18 lanes each); stacking walks in a program
+# makes its halo rows 2 / rows of the state, not 2 / walk.
 BAND1_KERNEL = "scan"
-SCAN_TILE = (16, 256, 2)
-_SCAN_PROGRAMS = 1024
-_SCAN_MIN_ROWS = 8
+SCAN_TILE = (64, 64, 2)
+SCAN_STACK = 4
+_SCAN_LANES = 2**18
+_SCAN_MIN_WALK = 8
 # Rows the scan loads ahead of the one it computes (their loads in flight while it computes). On
 # an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
@@ -110,22 +115,30 @@ _APPLY_SCALARS = ("weight_decay", "scale")
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
     ``TILES[band]``, or for the walking kernels (band 1's scan, bands >= 2) ``SCAN_TILE`` or
-    ``BANDED_TILE`` with fewer rows on small tensors."""
+    ``BANDED_TILE`` with fewer rows on small tensors (shorter walks: for the scan, until it has
+    ``_SCAN_LANES`` walks times columns; for bands >= 2, ``_BANDED_PROGRAMS`` programs)."""
+    num_rows, num_cols = tile_view(shape)
     if band >= 2:
-        tile, least, shortest = BANDED_TILE, _BANDED_PROGRAMS, _BANDED_MIN_ROWS
+        rows, cols, num_warps = BANDED_TILE
+        while rows > _BANDED_MIN_ROWS and (
+            pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows) < _BANDED_PROGRAMS
+        ):
+            rows //= 2
     elif band == 1 and BAND1_KERNEL == "scan":
-        tile, least, shortest = SCAN_TILE, _SCAN_PROGRAMS, _SCAN_MIN_ROWS
+        rows, cols, num_warps = SCAN_TILE
+        while rows > _SCAN_MIN_WALK * scan_stack(rows) and (
+            num_cols * pl.cdiv(num_rows, rows // scan_stack(rows)) < _SCAN_LANES
+        ):
+            rows //= 2
     else:
         return TILES[band]
-    rows, cols, num_warps = tile
-    num_rows, num_cols = tile_view(shape)
-
-    def programs(rows):
-        return pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows)
-
-    while rows > shortest and programs(rows) < least:
-        rows //= 2
     return rows, cols, num_warps
+
+
+def scan_stack(rows: int) -> int:
+    """How many walks the band-1 scan stacks in a program of ``rows`` rows: ``SCAN_STACK``, at
+    most ``rows`` (a walk of one row)."""
+    return min(SCAN_STACK, rows)
 
 
 def supported(layout: ChainLayout, band: int) -> bool:
@@ -401,30 +414,45 @@ def _scan_kernel(
     graft,
     rows,
     cols,
+    stack,
     ahead,
     apply,
     decayed,
+    interpret,
 ):
-    """Band 1 walking down a ``rows x cols`` block of the view one row at a time.
+    """Band 1 walking down a ``rows x cols`` block of the view: ``stack`` walks of ``rows /
+    stack`` rows one under another, one lane per walk and column, all a row at a time.
 
-    Each lane owns a column and carries the previous row's :func:`pointwise.vertex` and the
-    ``(l, z)`` of the edge above, so every array is read once and every vertex and edge computed
-    once, with ``pointwise.tridiagonal_step``'s float operations. Rows up to ``r + ahead + 1``
-    are loaded while row ``r`` is computed: loading each row as it came, the walk waited on
-    memory (the LM set's update took 18% more device time on an H100 than with ``ahead=1``). A
-    lane writes only rows it has read, so no barrier is needed (``cols`` must cover the warps'
-    lanes: no lane's column is another's). With ``apply`` (:class:`Apply`) ``p_ref`` is read with
-    the other arrays and ``out_ref`` takes the new parameters, else ``u``.
+    Each lane carries the previous row's :func:`pointwise.vertex` and the ``(l, z)`` of the edge
+    above, so every array is read once and every vertex and edge computed once, with
+    ``pointwise.tridiagonal_step``'s float operations. A walk needs the pre-step state of the row
+    above its first and below its last: at the block's top and bottom, the neighbouring blocks'
+    rows, from the halo copies; between two walks of the block, each other's edge rows, which
+    every lane reads before a barrier and no lane writes before it. So the halo copies are ``2 /
+    rows`` of the state while each walk stays short (the chain is serial: a lane's walk of ``w``
+    rows waits on about ``w`` row loads, and on the LM set's 1M-element tensors walks of 8 rows
+    took 14% less time than walks of 16). Rows up to ``r + ahead + 1`` are loaded while row ``r``
+    is computed: loading each row as it came, the walk waited on memory (the LM set's update took
+    18% more device time on an H100 than with ``ahead=1``). After the barrier a lane writes only
+    rows it has read (``stack x cols`` must cover the warps' lanes: no lane's element is
+    another's). With ``apply`` (:class:`Apply`) ``p_ref`` is read with the other arrays and
+    ``out_ref`` takes the new parameters, else ``u``.
     """
     p_ref, ratio_ref = refs[:2] if apply else (None, None)
     out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
     num_rows, num_cols = tile_view(shape)
     i, j = pl.program_id(0), pl.program_id(1)
-    c = j * cols + jnp.arange(cols, dtype=jnp.int32)
+    c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
     hyper, corrections = _numbers(scalars_ref, graft)
     compute = d_ref.dtype
-    first, last = _chunk_rows(i, rows, num_rows)
+    block_first, block_last = _chunk_rows(i, rows, num_rows)
+    # Each walk's first and last row, (stack, 1); a walk below the view's last row is empty
+    # (first > last: it reads and writes nothing).
+    first = block_first + (rows // stack) * jnp.arange(stack, dtype=jnp.int32)[:, None]
+    last = jnp.minimum(first + rows // stack - 1, block_last)
+    walking = in_cols & (first <= last)
+    top, bottom = first == block_first, last == block_last
     above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
     below, below_ok, halo_below = _across_chunks(i, c, shape, rows, 1)
     m0, d0, e0 = (starts_ref[k] for k in range(3))
@@ -434,28 +462,43 @@ def _scan_kernel(
 
     def row(r) -> tuple[pointwise.Raw, jax.Array, jax.Array | None]:
         """Row ``r``'s raw values, edge statistic and parameters (``None`` without ``apply``);
-        zeros past the chunk's last row."""
+        zeros past the walk's last row."""
         at, mask = r * num_cols + c, in_cols & (r <= last)
         raw = pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
         p = None if p_ref is None else read(p_ref, at, mask)
         return raw, read(e_ref, at, mask), p
 
-    def halo_row(at, halo, mask) -> pointwise.Raw:
-        return pointwise.Raw(
-            read(g_ref, at, mask), read(halo_m, m0 + halo, mask), read(halo_d, d0 + halo, mask)
-        )
+    def neighbour(r, outer, at, halo, exists) -> Callable:
+        """A reader of row ``r`` next to each walk: where ``outer`` (the block's edge) the chain
+        neighbour at offset ``at`` (zeros unless ``exists``), the state from its halo copy (at
+        ``halo``; ``g`` is read-only: its rows are their own halo); elsewhere the block's row
+        ``r``."""
+        inner, outer = walking & ~outer, walking & outer & exists
+        own = r * num_cols + c
+        at, halo = (jnp.broadcast_to(x, own.shape) for x in (at, halo))
+
+        def value(ref, halo_ref=None, start=0):
+            far = read(ref, at, outer) if halo_ref is None else read(halo_ref, start + halo, outer)
+            return jnp.where(inner, read(ref, own, inner), far)
+
+        return value
 
     def vertex(raw):
         return pointwise.vertex(raw, corrections, hyper)
 
+    up = neighbour(first - 1, top, above, halo_above, above_ok)
+    down = neighbour(last + 1, bottom, below, halo_below, below_ok)
+    raw_above = pointwise.Raw(up(g_ref), up(m_ref, halo_m, m0), up(d_ref, halo_d, d0))
+    e_above = up(e_ref, halo_e, e0)
+    below_raw = pointwise.Raw(down(g_ref), down(m_ref, halo_m, m0), down(d_ref, halo_d, d0))
     raw_first, e_first, p_first = row(first)
-    top = vertex(raw_first)
-    e_above = read(halo_e, e0 + halo_above, above_ok)
-    _, lower, z = pointwise.edge(
-        e_above, vertex(halo_row(above, halo_above, above_ok)), top, corrections, hyper
-    )
-    below_raw = halo_row(below, halo_below, below_ok)
-    zero = jnp.zeros((cols,), compute)
+    queue = tuple(row(first + k) for k in range(1, ahead + 1))
+    if not interpret:
+        # Every lane has read the edge rows of the walks next to its own before any overwrites.
+        plgpu.debug_barrier()
+    here = vertex(raw_first)
+    _, lower, z = pointwise.edge(e_above, vertex(raw_above), here, corrections, hyper)
+    zero = jnp.zeros((stack, cols), compute)
 
     def body(k, carry):
         here, e_here, p_here, above, queue, pairs = carry
@@ -479,10 +522,9 @@ def _scan_kernel(
         pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
         return after, e_next, p_next, (lower, z), queue, pairs
 
-    queue = tuple(row(first + k) for k in range(1, ahead + 1))
-    floor = jnp.full((cols,), _scale_floor(compute), compute)
-    init = (top, e_first, p_first, (lower, z), queue, ((floor, zero),) * 2)
-    *_, pairs = jax.lax.fori_loop(0, rows, body, init)
+    floor = jnp.full((stack, cols), _scale_floor(compute), compute)
+    init = (here, e_first, p_first, (lower, z), queue, ((floor, zero),) * 2)
+    *_, pairs = jax.lax.fori_loop(0, rows // stack, body, init)
     _write_parts(parts_ref, i, j, pairs)
 
 
@@ -812,8 +854,12 @@ def leaf_update(
     band = 0 if not hasattr(e, "shape") else e.shape[0]
     rows, cols, num_warps = tile or default_tile(band, g.shape)
     kernel = "band" if band >= 2 else "scan" if band == 1 and BAND1_KERNEL == "scan" else "tile"
-    if kernel != "tile" and cols < 32 * num_warps:
-        raise ValueError(f"{kernel} kernel: {cols} columns for 32 x {num_warps} lanes (one each)")
+    stack = scan_stack(rows) if kernel == "scan" else 1
+    if kernel != "tile" and (rows % stack or stack * cols < 32 * num_warps):
+        raise ValueError(
+            f"{kernel} kernel: {rows} rows in {stack} walks of {cols} columns for 32 x "
+            f"{num_warps} lanes (one each)"
+        )
     shape, compute = g.shape, d.dtype
     num_rows, num_cols = tile_view(shape)
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
@@ -844,7 +890,7 @@ def leaf_update(
         (rows, cols, num_warps),
         tuple(jnp.dtype(x.dtype) for x in state),
         kernel,
-        SCAN_AHEAD if kernel == "scan" else None,
+        (stack, SCAN_AHEAD) if kernel == "scan" else None,
         interpret,
         None if apply is None else (jnp.dtype(apply.params.dtype), bool(apply.decayed)),
         len(extra),
@@ -862,16 +908,17 @@ def leaf_update(
 
 @functools.cache
 def _step_call(
-    shape, band, graft, tile, state_dtypes, kernel, ahead, interpret, apply, halo_inputs
+    shape, band, graft, tile, state_dtypes, kernel, walks, interpret, apply, halo_inputs
 ) -> Callable:
-    """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` loading ``ahead`` rows ahead, or
-    ``"band"`` for bands >= 2) for one static configuration (with the fused apply when ``apply``
-    is the parameters' ``(dtype, decayed)``, not ``None``; ``halo_inputs``: how many inputs come
-    between the state and the parameters), jitted and cached:
-    the tensors of one shape then call one jitted function, which JAX lowers to Triton once per
-    program instead of once per tensor, and whose Triton module the program holds once (the LM
-    set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
-    13.0 s and 10 MB; on an H100 with the scan kernel, 6.3 s instead of 21.8)."""
+    """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` with ``walks = (stack, ahead)``:
+    ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
+    for one static configuration (with the fused apply when ``apply`` is the parameters' ``(dtype,
+    decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
+    parameters), jitted and cached: the tensors of one shape then call one jitted function, which
+    JAX lowers to Triton once per program instead of once per tensor, and whose Triton module the
+    program holds once (the LM set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4
+    MB of MLIR instead of 13.0 s and 10 MB; on an H100 with the scan kernel, 6.3 s instead of
+    21.8)."""
     rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
@@ -890,7 +937,8 @@ def _step_call(
         shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
     )
     if kernel == "scan":
-        body, name, static["ahead"] = _scan_kernel, "sonew_band1_scan", ahead
+        body, name = _scan_kernel, "sonew_band1_scan"
+        static.update(stack=walks[0], ahead=walks[1], interpret=interpret)
     elif kernel == "band":
         body, name, static["band"] = _band_scan_kernel, f"sonew_band{band}_scan", band
     else:
