@@ -69,15 +69,16 @@ def _both_paths(tx, params, grads_seq, place=lambda tree: tree, place_state=lamb
 
 @pytest.fixture
 def kernel_spy(monkeypatch):
-    """Records, per ``fused.leaf_update`` call, whether the kernel was given the parameters."""
+    """Records, per tensor of each ``fused.group_update`` call, whether the kernel was given the
+    parameters."""
     calls = []
-    leaf_update = fused.leaf_update
+    group_update = fused.group_update
 
-    def spy(*args, apply=None, **kwargs):
-        calls.append(apply is not None)
-        return leaf_update(*args, apply=apply, **kwargs)
+    def spy(*args, applies=None, **kwargs):
+        calls.extend(apply is not None for apply in applies)
+        return group_update(*args, applies=applies, **kwargs)
 
-    monkeypatch.setattr(fused, "leaf_update", spy)
+    monkeypatch.setattr(fused, "group_update", spy)
     return calls
 
 

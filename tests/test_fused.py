@@ -256,6 +256,55 @@ def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
     assert set(banded_spy) == {(41, 70), (9, 4, 5)}
 
 
+@pytest.mark.parametrize("band, graft_lag", [(0, False), (1, False), (1, True)])
+def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monkeypatch):
+    """Same-shaped tensors of one dtype (and, for the fused apply, one ``decayed``) run in
+    launches of up to ``fused.launch_group`` tensors (2 here), each tensor's kernel on its own
+    state and parameters, as on XLA (the parameters too, with ``graft_lag``'s fused apply);
+    another dtype, shape or (with the fused apply) weight-decay mask launches apart."""
+    monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
+    monkeypatch.setattr(fused, "_MAX_GROUP", 2)
+    launches = []
+    group_update = fused.group_update
+
+    def spy(gs, *args, applies, **kwargs):
+        flags = [None if a is None else a.decayed for a in applies]
+        launches.append(tuple((g.dtype.name, f) for g, f in zip(gs, flags, strict=True)))
+        return group_update(gs, *args, applies=applies, **kwargs)
+
+    monkeypatch.setattr(fused, "group_update", spy)
+    shapes = {"a": (70, 130), "c": (70, 130), "b": (70, 130), "d": (33, 2, 3), "w": (70, 130)}
+    rng = np.random.default_rng(0)
+    params = {k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()}
+    params["w"] = params["w"].astype(jnp.float32)
+    mask = {k: k != "c" for k in shapes}
+    grads = _trajectory(shapes, ["normal", "normal", "equal", "normal"])
+    grads = [{**g, "w": g["w"].astype(jnp.float32)} for g in grads]
+
+    def trajectory(implementation):
+        tx = sonew(
+            0.1, band=band, weight_decay=0.1, mask=mask, graft_lag=graft_lag,
+            stats_dtype=jnp.float64, implementation=implementation,
+        )  # fmt: skip
+        p, state = params, tx.init(params)
+        step = jax.jit(lambda p, s, g: apply_gradients(tx, g, s, p))
+        for g in grads:
+            p, state = step(p, state, g)
+        return p, state
+
+    expect, got = trajectory("xla"), trajectory("pallas")
+    for x, y in zip(jax.tree.leaves(expect), jax.tree.leaves(got), strict=True):
+        _assert_close(x, y, 1e-11 if x.dtype == jnp.float64 else 1e-6)
+    # a and c, then b; with the fused apply a and b, then c (not decayed); w (float32) and d
+    # apart.
+    f64, f32 = "float64", "float32"
+    if graft_lag:
+        expect_launches = [((f64, True),) * 2, ((f64, False),), ((f32, True),), ((f64, True),)]
+    else:
+        expect_launches = [((f64, None),) * 2, ((f64, None),), ((f32, None),), ((f64, None),)]
+    assert sorted(launches) == sorted(expect_launches)
+
+
 @pytest.mark.parametrize("kernel", ["tile", "scan", "band"])
 def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
@@ -466,19 +515,20 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     monkeypatch.setattr(fused, "SCAN_STACK", 4)
     monkeypatch.setattr(fused, "_SCAN_LANES", 2**18)
     monkeypatch.setattr(fused, "_SCAN_MIN_WALK", 8)
-    rows = {
-        (4096, 2048): 128,  # walks of 32 rows: 128 x 2048 lanes
-        (1024, 4096): 64,  # 32 x 4096 lanes in walks of 32 rows, 64 x 4096 in walks of 16
-        (4096, 1024): 64,
-        (1024, 1024): 32,  # 128 x 1024 lanes in walks of 8: the shortest walk
-        (16384, 4, 64): 64,  # the view is 16384 x 256
-        (70, 130): 32,
-        (100000,): 32,  # one row
+    # (rows, warps): each halving doubles the warps, up to one lane each (4 x 64 / 32).
+    tiles = {
+        (4096, 2048): (128, 2),  # walks of 32 rows: 128 x 2048 lanes
+        (1024, 4096): (64, 4),  # 32 x 4096 lanes in walks of 32 rows, 64 x 4096 in walks of 16
+        (4096, 1024): (64, 4),
+        (1024, 1024): (32, 8),  # 128 x 1024 lanes in walks of 8: the shortest walk
+        (16384, 4, 64): (64, 4),  # the view is 16384 x 256
+        (70, 130): (32, 8),
+        (100000,): (32, 8),  # one row
     }
-    for shape, expect in rows.items():
-        assert fused.default_tile(1, shape) == (expect, 64, 2), shape
+    for shape, (rows, warps) in tiles.items():
+        assert fused.default_tile(1, shape) == (rows, 64, warps), shape
         assert fused.default_tile(0, shape) == fused.TILES[0]
-    # One walk per program: the walk is the block.
+    # One walk per program: the walk is the block, already a lane per column on 2 warps.
     monkeypatch.setattr(fused, "SCAN_STACK", 1)
     assert fused.default_tile(1, (1024, 4096)) == (16, 64, 2)
     assert fused.default_tile(1, (1024, 1024)) == (8, 64, 2)

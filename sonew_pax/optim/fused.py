@@ -79,12 +79,19 @@ TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
 # until it has ``_SCAN_LANES`` walks times columns to spread over the GPU. On an H100 (one walk per
 # program, results/profile_update_scan_tiles.json) walks of 16 rows were fastest on the LM set's
 # 4M-element tensors, 8 on its 1M-element ones (2**18 lanes each); stacking walks in a program
-# makes its halo rows 2 / rows of the state, not 2 / walk.
+# makes its halo rows 2 / rows of the state, not 2 / walk. Each halving of the rows doubles the
+# warps (the threads stay): on an H100 the 1M-element tensors' walks of 8 took 1.48 ms on 4 warps
+# against 1.56 on 2, the 4M-element ones' walks of 16 1.25 ms on 2 against 1.35 on 4
+# (results/profile_update_scan_stack.json).
 BAND1_KERNEL = "scan"
 SCAN_TILE = (64, 64, 2)
 SCAN_STACK = 4
 _SCAN_LANES = 2**18
 _SCAN_MIN_WALK = 8
+# Tensors of one shape below ``_GROUP_ELEMENTS`` elements share launches (``group_update``), up to
+# ``_MAX_GROUP`` per launch.
+_GROUP_ELEMENTS = 2**22
+_MAX_GROUP = 4
 # Rows the scan loads ahead of the one it computes (their loads in flight while it computes). On
 # an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
@@ -130,9 +137,20 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
             num_cols * pl.cdiv(num_rows, rows // scan_stack(rows)) < _SCAN_LANES
         ):
             rows //= 2
+            # Half as many lanes on twice as many warps: the threads stay (down to one lane each).
+            num_warps = min(2 * num_warps, max(num_warps, scan_stack(rows) * cols // 32))
     else:
         return TILES[band]
     return rows, cols, num_warps
+
+
+def launch_group(shape: tuple[int, ...], band: int) -> int:
+    """How many tensors of ``shape`` :func:`group_update` launches together: enough to reach
+    ``_GROUP_ELEMENTS`` elements, at most ``_MAX_GROUP`` (each adds a branch to the compiled
+    kernel); bands >= 2 one (their kernel is long to compile)."""
+    if band >= 2:
+        return 1
+    return max(1, min(_MAX_GROUP, _GROUP_ELEMENTS // max(1, math.prod(shape))))
 
 
 def scan_stack(rows: int) -> int:
@@ -419,6 +437,7 @@ def _scan_kernel(
     apply,
     decayed,
     interpret,
+    program,
 ):
     """Band 1 walking down a ``rows x cols`` block of the view: ``stack`` walks of ``rows /
     stack`` rows one under another, one lane per walk and column, all a row at a time.
@@ -441,7 +460,7 @@ def _scan_kernel(
     p_ref, ratio_ref = refs[:2] if apply else (None, None)
     out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
     num_rows, num_cols = tile_view(shape)
-    i, j = pl.program_id(0), pl.program_id(1)
+    i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
     hyper, corrections = _numbers(scalars_ref, graft)
@@ -559,6 +578,7 @@ def _band_scan_kernel(
     cols,
     apply,
     decayed,
+    program,
 ):
     """Band ``b >= 2`` (Theorem 2, Algorithm 3) walking down a ``rows x cols`` block of the view.
 
@@ -585,7 +605,7 @@ def _band_scan_kernel(
     b = band
     num_rows, num_cols = tile_view(shape)
     size = num_rows * num_cols
-    i, j = pl.program_id(0), pl.program_id(1)
+    i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
     hyper, corrections = _numbers(scalars_ref, graft)
@@ -737,7 +757,9 @@ def _band_scan_kernel(
     _write_parts(parts_ref, i, j, pairs)
 
 
-def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply, decayed):
+def _step_kernel(
+    scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply, decayed, program
+):
     """One ``rows x cols`` tile of the view: the step kernel of the module docstring (with
     ``apply``, reading ``p_ref`` and writing the new parameters in ``u``'s place)."""
     inputs = (8 if band else 3) + 2 * apply
@@ -749,7 +771,7 @@ def _step_kernel(scalars_ref, *refs, shape, band, graft, rows, cols, interpret, 
         out_ref, m_out, d_out, parts_ref = refs[inputs:]
     p_ref, ratio_ref = refs[inputs - 2 : inputs] if apply else (None, None)
     num_rows, num_cols = tile_view(shape)
-    i, j = pl.program_id(0), pl.program_id(1)
+    i, j = program
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
@@ -851,8 +873,35 @@ def leaf_update(
     updated with ``u``, and returns them in ``u``'s place: 36 B/param for fp32 tridiag, where
     writing ``u`` for XLA to apply moves 44.
     """
-    band = 0 if not hasattr(e, "shape") else e.shape[0]
-    rows, cols, num_warps = tile or default_tile(band, g.shape)
+    kwargs = dict(interpret=interpret, tile=tile, halos=[halos], applies=[apply])
+    (step,) = group_update([g], [m], [d], [e], corrections, hyper, **kwargs)
+    return step
+
+
+def group_update(
+    gs: list[jax.Array],
+    ms: list[jax.Array],
+    ds: list[jax.Array],
+    es: list[Any],
+    corrections: tuple[jax.Array, jax.Array],
+    hyper: pointwise.Hyper,
+    *,
+    interpret: bool = False,
+    tile: tuple[int, int, int] | None = None,
+    halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
+    applies: list[Apply | None] | None = None,
+) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
+    """:func:`leaf_update` of several tensors of one shape, state dtypes and kind of apply (all
+    with or all without :class:`Apply`, of one parameter dtype and ``decayed``) in one launch:
+    the grid gains an axis over the tensors and each program runs one tensor's kernel. A small
+    tensor's kernel is short and its walk's first loads wait on memory before any row is
+    computed; launched together, the tensors fill the GPU as one larger tensor does
+    (:func:`launch_group`). Returns :func:`leaf_update`'s tuple per tensor, in order."""
+    count = len(gs)
+    halos = halos or [None] * count
+    applies = applies or [None] * count
+    shape, band = gs[0].shape, 0 if not hasattr(es[0], "shape") else es[0].shape[0]
+    rows, cols, num_warps = tile or default_tile(band, shape)
     kernel = "band" if band >= 2 else "scan" if band == 1 and BAND1_KERNEL == "scan" else "tile"
     stack = scan_stack(rows) if kernel == "scan" else 1
     if kernel != "tile" and (rows % stack or stack * cols < 32 * num_warps):
@@ -860,65 +909,85 @@ def leaf_update(
             f"{kernel} kernel: {rows} rows in {stack} walks of {cols} columns for 32 x "
             f"{num_warps} lanes (one each)"
         )
-    shape, compute = g.shape, d.dtype
+    compute = ds[0].dtype
     num_rows, num_cols = tile_view(shape)
+    apply = applies[0]
     numbers = [getattr(hyper, k) for k in _SCALARS[:5]] + list(corrections)
     numbers += [0] * len(_APPLY_SCALARS) if apply is None else [apply.weight_decay, apply.scale]
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
-    state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
-    extra = []
-    if band:
-        halo_size = (3 * band - 1) * pl.cdiv(num_rows, rows) * num_cols  # one sub-array's
-        if band * halo_size > _MAX_SIZE:
-            raise ValueError(
-                f"band {band} on {shape} in chunks of {rows} rows: {band * halo_size} halo "
-                "elements exceed int32 offsets; use longer row chunks (tile)"
-            )
-        halos = halos or gather_halos(
-            state, rows, band=band, shapes=[shape] * 3, interpret=interpret
+    halo_size = (3 * band - 1) * pl.cdiv(num_rows, rows) * num_cols  # one sub-array's
+    if band and band * halo_size > _MAX_SIZE:
+        raise ValueError(
+            f"band {band} on {shape} in chunks of {rows} rows: {band * halo_size} halo "
+            "elements exceed int32 offsets; use longer row chunks (tile)"
         )
-        if any(h.rows != rows for h in halos):
-            raise ValueError(f"halos gathered in chunks of {halos[0].rows} rows, tile has {rows}")
-        extra = [h.buffer for h in halos]
-        extra.append(jnp.array([h.index * halo_size for h in halos], jnp.int32))
-    state = [x.reshape(-1) for x in state]
+    inputs, configs = [scalars], set()
+    for g, m, d, e, halo, applied in zip(gs, ms, ds, es, halos, applies, strict=True):
+        state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
+        extra = []
+        if band:
+            halo = halo or gather_halos(
+                state, rows, band=band, shapes=[shape] * 3, interpret=interpret
+            )
+            if any(h.rows != rows for h in halo):
+                raise ValueError(
+                    f"halos gathered in chunks of {halo[0].rows} rows, tile has {rows}"
+                )
+            extra = [h.buffer for h in halo]
+            extra.append(jnp.array([h.index * halo_size for h in halo], jnp.int32))
+        params = []
+        if applied is not None:
+            params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]
+        inputs += [g.reshape(-1), *(x.reshape(-1) for x in state), *extra, *params]
+        configs.add(
+            (
+                g.shape,
+                tuple(jnp.dtype(x.dtype) for x in state),
+                None if applied is None else (jnp.dtype(applied.params.dtype), applied.decayed),
+            )
+        )
+    if len(configs) != 1:
+        raise ValueError(f"group_update: tensors of different configurations {sorted(configs)}")
+    ((_, state_dtypes, apply_config),) = configs
     step = _step_call(
         shape,
         band,
         hyper.graft,
         (rows, cols, num_warps),
-        tuple(jnp.dtype(x.dtype) for x in state),
+        state_dtypes,
         kernel,
         (stack, SCAN_AHEAD) if kernel == "scan" else None,
         interpret,
-        None if apply is None else (jnp.dtype(apply.params.dtype), bool(apply.decayed)),
+        None if apply_config is None else (apply_config[0], bool(apply_config[1])),
         len(extra),
+        count,
     )
-    applied = []
-    if apply is not None:
-        applied = [apply.params.reshape(-1), jnp.asarray(apply.ratio, compute).reshape(1)]
-    inputs = [scalars, g.reshape(-1), *state, *extra, *applied]
-    u, *new_state, parts = step(*inputs)
-    m_new, d_new = (x.reshape(shape) for x in new_state[:2])
-    e_new = new_state[2].reshape(e.shape) if band else e
-    parts = parts.reshape(4, -1) if hyper.graft == "adam" else None
-    return u.reshape(shape), m_new, d_new, e_new, parts
+    outputs = step(*inputs)
+    per = len(outputs) // count
+    steps = []
+    for k, e in enumerate(es):
+        u, *new_state, parts = outputs[k * per : (k + 1) * per]
+        m_new, d_new = (x.reshape(shape) for x in new_state[:2])
+        e_new = new_state[2].reshape(e.shape) if band else e
+        parts = parts.reshape(4, -1) if hyper.graft == "adam" else None
+        steps.append((u.reshape(shape), m_new, d_new, e_new, parts))
+    return steps
 
 
 @functools.cache
 def _step_call(
-    shape, band, graft, tile, state_dtypes, kernel, walks, interpret, apply, halo_inputs
+    shape, band, graft, tile, state_dtypes, kernel, walks, interpret, apply, halo_inputs, count=1
 ) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` with ``walks = (stack, ahead)``:
     ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
     for one static configuration (with the fused apply when ``apply`` is the parameters' ``(dtype,
     decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
-    parameters), jitted and cached: the tensors of one shape then call one jitted function, which
-    JAX lowers to Triton once per program instead of once per tensor, and whose Triton module the
-    program holds once (the LM set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4
-    MB of MLIR instead of 13.0 s and 10 MB; on an H100 with the scan kernel, 6.3 s instead of
-    21.8)."""
+    parameters; ``count``: tensors per launch, :func:`group_update`), jitted and cached: the
+    tensors of one shape then call one jitted function, which JAX lowers to Triton once per
+    program instead of once per tensor, and whose Triton module the program holds once (the LM
+    set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
+    13.0 s and 10 MB; on an H100 with the scan kernel, 6.3 s instead of 21.8)."""
     rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
@@ -928,11 +997,16 @@ def _step_call(
     sizes = (size, size, max(band, 1) * size)[: len(state_dtypes)]  # m, d and e
     outputs += [jax.ShapeDtypeStruct((n,), t) for n, t in zip(sizes, state_dtypes, strict=True)]
     outputs.append(jax.ShapeDtypeStruct((4, *grid), compute))
-    # The state's inputs (after the scalars and g) are its outputs' buffers; so are the
-    # parameters' (after the halo inputs, before the ratio) with ``apply``.
-    aliases = {2 + k: 1 + k for k in range(len(state_dtypes))}
-    if apply:
-        aliases[2 + len(state_dtypes) + halo_inputs] = 0
+    # Per tensor, after the scalars: g, the state, the halo inputs and with ``apply`` the
+    # parameters and their ratio. The state's inputs are its outputs' buffers; so are the
+    # parameters' with ``apply``.
+    inputs = 1 + len(state_dtypes) + halo_inputs + 2 * bool(apply)
+    aliases = {}
+    for k in range(count):
+        first_in, first_out = 1 + k * inputs, k * len(outputs)
+        aliases.update({first_in + 1 + n: first_out + 1 + n for n in range(len(state_dtypes))})
+        if apply:
+            aliases[first_in + 1 + len(state_dtypes) + halo_inputs] = first_out
     static = dict(
         shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
     )
@@ -945,15 +1019,36 @@ def _step_call(
         body, name = _step_kernel, f"sonew_band{band}_step"
         static.update(band=band, interpret=interpret)
     step = pl.pallas_call(
-        _bind(body, name, **static),
-        grid=grid,
-        out_shape=outputs,
+        _bind(_per_tensor, name, body=body, count=count, inputs=inputs, static=static),
+        grid=grid if count == 1 else (*grid, count),
+        out_shape=outputs * count,
         input_output_aliases=aliases,
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
         name=name,
     )
     return jax.jit(step)
+
+
+def _per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) -> None:
+    """The kernel ``body`` on one of ``count`` tensors' refs (``inputs`` inputs each after the
+    shared scalars, then each one's outputs): tensor ``program_id(2)``'s, a branch per tensor
+    (the refs are static). ``body`` takes the program's ``(row chunk, column block)`` as
+    ``program``."""
+    # Read outside the branches: inside one, Pallas' interpreter finds no program ids.
+    program = pl.program_id(0), pl.program_id(1)
+    if count == 1:
+        body(scalars_ref, *refs, program=program, **static)
+        return
+    outputs = (len(refs) - count * inputs) // count
+    tensor = pl.program_id(2)
+    for k in range(count):
+
+        @pl.when(tensor == k)
+        def _run(k=k):
+            mine = refs[k * inputs : (k + 1) * inputs]
+            out = refs[count * inputs + k * outputs : count * inputs + (k + 1) * outputs]
+            body(scalars_ref, *mine, *out, program=program, **static)
 
 
 def _bind(kernel, name: str, **static):

@@ -203,23 +203,14 @@ def _leaf_step(
     corrections: tuple[jax.Array, jax.Array],
     hyper: Hyper,
     layout: ChainLayout,
-    kernels: bool,
-    halos: tuple[fused.Halo, fused.Halo, fused.Halo] | None = None,
-    apply: fused.Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
-    """One tensor's SONew step (module docstring) before grafting: ``(u, m, d, e, graft)``.
-
-    With ``kernels`` (:func:`_kernels_enabled`) the step of a tensor whole on its device runs as
-    a Pallas kernel (bands >= 1 with their state's ``halos``, :func:`_halos`; bands >= 2 where
-    ``fused.supported``), everything else on XLA.
+    """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
+    graft)``.
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
-    ``graft`` is ``None`` when nothing is grafted; from the XLA path this step's ratio ``||adam||
-    / ||u||`` (a scalar); from the kernels their per-tile norm pairs ``(4, tiles)``, which
-    :func:`_graft_ratios` merges for all tensors of a shape at once.
-
-    ``apply`` (only for a tensor on the kernels) makes the kernel return the new parameters in
-    ``u``'s place (``fused.Apply``).
+    ``graft`` is ``None`` when nothing is grafted, else this step's ratio ``||adam|| / ||u||`` (a
+    scalar). The kernels' steps (:func:`_leaf_steps`) return per-tile norm pairs ``(4, tiles)``
+    instead, which :func:`_graft_ratios` merges for all tensors of a shape at once.
     """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d):
@@ -227,15 +218,55 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = _band(e)
-    if _on_kernel(kernels, layout, band, hyper):
-        interpret = _interpret()
-        return fused.leaf_update(
-            g, m, d, e, corrections, hyper, interpret=interpret, halos=halos, apply=apply
-        )
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     ratio = None if grafting is None else _graft_ratio(grafting)
     return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
+
+
+def _leaf_steps(
+    leaves: list[list], halos: list, applies: list, corrections, hyper: Hyper, kernels: bool
+) -> list[tuple]:
+    """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e``, lagged
+    ratios and layouts, each a list over the tensors): with ``kernels``
+    (:func:`_kernels_enabled`) the steps of tensors whole on their device as Pallas kernels
+    (bands >= 1 with their state's ``halos``, :func:`_halos`; bands >= 2 where
+    ``fused.supported``; with ``applies[k]``, ``fused.Apply``, writing the parameters in ``u``'s
+    place), where the tensors of one shape, state dtypes and apply share launches
+    (``fused.group_update``, ``fused.launch_group`` tensors each); :func:`_leaf_step` on XLA
+    for the others."""
+    grads, m, d, e, _, layouts = leaves
+    steps: list = [None] * len(grads)
+    groups: dict[tuple, list[int]] = {}
+    for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
+        if _preconditioned(len(lay.shape), hyper.precondition_1d) and _on_kernel(
+            kernels, lay, _band(ei), hyper
+        ):
+            key = (
+                g.shape,
+                _band(ei),
+                *(jnp.dtype(x.dtype) for x in (g, m[k], d[k])),
+                jnp.dtype(ei.dtype) if _band(ei) else None,
+                None if apply is None else (jnp.dtype(apply.params.dtype), apply.decayed),
+            )
+            groups.setdefault(key, []).append(k)
+        else:
+            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay)
+    for (shape, band, *_), members in groups.items():
+        size = fused.launch_group(shape, band)
+        for start in range(0, len(members), size):
+            part = members[start : start + size]
+            results = fused.group_update(
+                *([x[k] for k in part] for x in (grads, m, d, e)),
+                corrections,
+                hyper,
+                interpret=_interpret(),
+                halos=[halos[k] for k in part],
+                applies=[applies[k] for k in part],
+            )
+            for k, result in zip(part, results, strict=True):
+                steps[k] = result
+    return steps
 
 
 def _interpret() -> bool:
@@ -249,7 +280,7 @@ def _band(e: Any) -> int:
 
 
 def _on_kernel(kernels: bool, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
-    """Whether :func:`_leaf_step` runs this preconditioned tensor's step as a Pallas kernel."""
+    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
     return (
         kernels
         and _preconditioned(len(layout.shape), hyper.precondition_1d)
@@ -286,7 +317,7 @@ _GRAFT_GROUP = 32
 
 
 def _graft_ratios(grafts: list[jax.Array | None]) -> list[jax.Array | None]:
-    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_step`'s ``graft``.
+    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``.
 
     The kernels' per-tile norm pairs are merged (``chain.merge_norm_parts``) for the tensors of
     one shape together (up to ``_GRAFT_GROUP`` at a time), over their stacked pairs: a model's
@@ -526,12 +557,7 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
             _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
             for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
         ]
-        steps = [
-            _leaf_step(g, mi, di, ei, corrections, hyper, lay, kernels, halo, leaf_apply)
-            for g, mi, di, ei, _, lay, halo, leaf_apply in zip(
-                *leaves, halos, fused_apply, strict=True
-            )
-        ]
+        steps = _leaf_steps(leaves, halos, fused_apply, corrections, hyper, kernels)
         ratios = _graft_ratios([step[4] for step in steps])
         out: list[list[Any]] = [[] for _ in range(5)]
         for g, step, fresh, lagged, p, flag, leaf_apply in zip(
