@@ -82,7 +82,7 @@ TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
 # makes its halo rows 2 / rows of the state, not 2 / walk. Each halving of the rows doubles the
 # warps (the threads stay): on an H100 the 1M-element tensors' walks of 8 took 1.48 ms on 4 warps
 # against 1.56 on 2, the 4M-element ones' walks of 16 1.25 ms on 2 against 1.35 on 4
-# (results/profile_update_scan_stack.json).
+# (results/profile_update_scan_stack.json, results/profile_update_scan_warps.json).
 BAND1_KERNEL = "scan"
 SCAN_TILE = (64, 64, 2)
 SCAN_STACK = 4
