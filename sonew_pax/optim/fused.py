@@ -1,4 +1,4 @@
-"""The SONew step of one tensor as Pallas kernels (GPU, Triton), state in place.
+"""The SONew step of a tensor as Pallas kernels (GPU, Triton), state in place.
 
 XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) into several passes
 over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
@@ -22,7 +22,9 @@ update the donated state in place: it copies every state array once more. Here:
   reads each array once and computes each vertex and edge once where the tile kernel
   (``BAND1_KERNEL = "tile"``) reads three rows and recomputes: the LM set's update takes 13% less
   device time on an H100 (results/profile_update_scan.json). The walks of a program read each
-  other's edge rows before a barrier, so only the program's edges need halo rows;
+  other's edge rows before a barrier, so only the program's edges need halo rows (on an H100
+  the halo copies went from 0.49 to 0.14 ms of the LM set's update,
+  results/profile_update_scan_stack.json);
 * bands ``b >= 2`` run **the banded walk** (:func:`_band_scan_kernel`): one lane per column walks
   its chunk from ``b`` rows above to ``2b - 1`` below, solving each vertex's ``b x b`` window
   twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions, and
@@ -37,10 +39,15 @@ update the donated state in place: it copies every state array once more. Here:
   before the step, ``graft_lag``), the step kernel reads the parameters too and writes them in
   place instead of ``u``; XLA only merges the norm pairs into the next step's ratios.
 
+Same-shaped tensors below 4M elements share step launches (:func:`group_update`, up to 4 per
+launch, a branch per tensor): a small tensor's walk waits on its first loads before any row is
+computed, and together they fill the GPU as one larger tensor does (on an H100 the LM set's
+update took 5.03 ms of device time instead of 5.25, results/profile_update_group.json).
+
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
-fused apply), against 28 for a fused AdamW, with one step launch per tensor and a few halo
-launches per model. The math is ``pointwise``'s and ``solve``'s, the same functions the XLA path
-runs, so results agree to float rounding (the norms are summed in another order).
+fused apply), against 28 for a fused AdamW, with a few halo launches per model. The math is
+``pointwise``'s and ``solve``'s, the same functions the XLA path runs, so results agree to float
+rounding (the norms are summed in another order).
 ``interpret=True`` runs the kernels in Pallas' interpreter (any backend; the tests use it on CPU).
 
 Only tensors that live whole on the device take this path (sharded ones need halos from other

@@ -437,8 +437,8 @@ def scale_by_sonew(
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
       implementation: ``"auto"`` (default): on GPU, the step of every tensor that lives whole on
         its device as Pallas (Triton) kernels that update the state in place (``fused.py``; on an
-        H100 tridiag's update of the LM set takes 1.9x AdamW's device time and 1.6x its wall time,
-        against 3.1x and 2.4x for XLA; band 4's on an H200 5.1x against 11.7x,
+        H100 tridiag's update of the LM set with ``graft_lag`` takes 1.44x AdamW's device time,
+        where XLA's tridiag takes 3.1x; band 4's 4.1x, on an H200 XLA's 11.7x;
         ``benchmarks/README.md``), when ``mesh`` is given or the process has one device (without a
         mesh, several devices' arrays may be sharded by the caller's ``jit``, which cannot
         partition a kernel); XLA elsewhere: for sharded tensors, bands above
