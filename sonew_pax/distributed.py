@@ -205,7 +205,10 @@ def initialize(
         )
         logging.info(  # the device count waits for every process's devices: inside the deadline
             "Process %d of %d; %d local devices, %d in all.",
-            jax.process_index(), jax.process_count(), jax.local_device_count(), jax.device_count(),
+            jax.process_index(),
+            jax.process_count(),
+            jax.local_device_count(),
+            jax.device_count(),
         )
     return group
 

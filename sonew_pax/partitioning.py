@@ -56,12 +56,15 @@ def mesh_shape(data: int, model: int, replica: int, num_devices: int) -> tuple[i
     known = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if num_devices % known:
-            raise ValueError(f"mesh {_describe(sizes)} (product {known}) does not divide the "
-                             f"{num_devices} devices")
+            raise ValueError(
+                f"mesh {_describe(sizes)} (product {known}) does not divide the "
+                f"{num_devices} devices"
+            )
         sizes[fill[0]] = num_devices // known
     elif known != num_devices:
-        raise ValueError(f"mesh {_describe(sizes)} has {known} positions but there are "
-                         f"{num_devices} devices")
+        raise ValueError(
+            f"mesh {_describe(sizes)} has {known} positions but there are {num_devices} devices"
+        )
     return sizes["replica"], sizes["data"], sizes["model"]
 
 
@@ -78,12 +81,14 @@ def _device_grid(shape: tuple[int, int, int], devices: Sequence) -> np.ndarray:
     if replica % num_slices:
         raise ValueError(f"replica={replica} must be a multiple of the {num_slices} slices")
     return mesh_utils.create_hybrid_device_mesh(
-        (replica // num_slices, data, model), (num_slices, 1, 1), devices)
+        (replica // num_slices, data, model), (num_slices, 1, 1), devices
+    )
 
 
 @gin.configurable
-def make_mesh(data: int = -1, model: int = 1, replica: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    data: int = -1, model: int = 1, replica: int = 1, devices: Sequence[jax.Device] | None = None
+) -> Mesh:
     """A ("replica", "data", "model") mesh over `devices` (default: all devices) with auto axes.
 
     Args:
@@ -112,8 +117,9 @@ def logical_axis_rules(overrides: Rules = (), base: Rules = DEFAULT_RULES) -> tu
     return tuple(rules + list(replaced.items()))
 
 
-def logical_to_mesh_spec(logical_axes: Sequence[str | None], rules: Rules = DEFAULT_RULES
-                         ) -> PartitionSpec:
+def logical_to_mesh_spec(
+    logical_axes: Sequence[str | None], rules: Rules = DEFAULT_RULES
+) -> PartitionSpec:
     """Translates logical axis names to a mesh PartitionSpec; a name without a rule is an error.
 
     A mesh axis already used by an earlier dimension leaves later dimensions unsharded (flax's
@@ -169,8 +175,9 @@ def validate_specs(shapes, specs, mesh: Mesh) -> None:
 def _strip_boxes(tree):
     """The values inside `nn.LogicallyPartitioned` boxes, without applying any constraint."""
     is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)  # noqa: E731
-    return jax.tree.map(lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree,
-                        is_leaf=is_box)
+    return jax.tree.map(
+        lambda x: x.unbox(apply_constraint=False) if is_box(x) else x, tree, is_leaf=is_box
+    )
 
 
 def _validate_one(name: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: Mesh) -> None:
@@ -180,18 +187,24 @@ def _validate_one(name: str, shape: tuple[int, ...], spec: PartitionSpec, mesh: 
         axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
         missing = [a for a in axes if a not in mesh.shape]
         if missing:
-            raise ValueError(f"parameter {name}: mesh axes {missing} not in mesh "
-                             f"{dict(mesh.shape)}")
+            raise ValueError(
+                f"parameter {name}: mesh axes {missing} not in mesh {dict(mesh.shape)}"
+            )
         product = math.prod(mesh.shape[a] for a in axes)
         if shape[dim] % product:
-            raise ValueError(f"parameter {name}: dimension {dim} of size {shape[dim]} is not "
-                             f"divisible by mesh axes {axes} of total size {product}")
+            raise ValueError(
+                f"parameter {name}: dimension {dim} of size {shape[dim]} is not "
+                f"divisible by mesh axes {axes} of total size {product}"
+            )
 
 
 def shardings(specs, mesh: Mesh):
     """NamedShardings on `mesh` for a pytree of PartitionSpecs."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs,
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.tree.map(
+        lambda spec: NamedSharding(mesh, spec),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )
 
 
 def batch_spec(rules: Rules = DEFAULT_RULES) -> PartitionSpec:

@@ -45,8 +45,15 @@ def _tool(name: str) -> str:
 def run_script(script: str, *args: str, env: dict[str, str] | None = None, path_prefix: str = ""):
     """Runs ``bash launch/<script> args`` with only ``env`` (plus PATH/HOME) set."""
     base = {"PATH": path_prefix + os.environ["PATH"], "HOME": os.environ.get("HOME", "/tmp")}
-    return subprocess.run(["bash", str(LAUNCH / script), *args], cwd=REPO, env=base | (env or {}),
-                          capture_output=True, text=True, timeout=60, check=False)
+    return subprocess.run(
+        ["bash", str(LAUNCH / script), *args],
+        cwd=REPO,
+        env=base | (env or {}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
 
 
 def test_launch_scripts_exist():
@@ -57,14 +64,20 @@ def test_launch_scripts_exist():
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
 def test_script_syntax_and_shellcheck(script):
     subprocess.run(["bash", "-n", str(script)], check=True)
-    result = subprocess.run([_tool("shellcheck"), "-x", str(script)], capture_output=True,
-                            text=True, check=False)
+    result = subprocess.run(
+        [_tool("shellcheck"), "-x", str(script)], capture_output=True, text=True, check=False
+    )
     assert result.returncode == 0, result.stdout
 
 
 TPU_ENV = {"PROJECT": "p", "ZONE": "us-central2-b", "TPU_NAME": "pod", "MODEL_DIR": "gs://b/run"}
-SLURM_ENV = {"MODEL_DIR": "/shared/run", "GIN_FILE": "tiny.gin", "SLURM_JOB_ID": "4242",
-             "SLURM_JOB_NODELIST": "node-[1-2]", "VENV": str(BIN.parent)}
+SLURM_ENV = {
+    "MODEL_DIR": "/shared/run",
+    "GIN_FILE": "tiny.gin",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "node-[1-2]",
+    "VENV": str(BIN.parent),
+}
 
 
 @pytest.mark.parametrize(
@@ -82,8 +95,11 @@ SLURM_ENV = {"MODEL_DIR": "/shared/run", "GIN_FILE": "tiny.gin", "SLURM_JOB_ID":
 )
 def test_missing_variable_fails_early_naming_it(script, env, missing):
     env = {k: v for k, v in env.items() if k != missing} | {"DRY_RUN": "1"}
-    result = run_script(script, "true", env=env) if script.endswith("multiprocess.sh") else (
-        run_script(script, env=env))
+    result = (
+        run_script(script, "true", env=env)
+        if script.endswith("multiprocess.sh")
+        else (run_script(script, env=env))
+    )
     assert result.returncode == 2
     assert f"error: {missing} is not set" in result.stderr
     assert f"see the header of launch/{script}" in result.stderr
@@ -96,8 +112,9 @@ def test_tpu_pod_needs_a_gcs_model_dir():
 
 
 def test_tpu_pod_dry_run_creates_sets_up_and_trains_on_all_workers():
-    result = run_script("tpu_pod.sh", "all", "--", "--gin.TRAIN_STEPS=10",
-                        env=TPU_ENV | {"DRY_RUN": "1"})
+    result = run_script(
+        "tpu_pod.sh", "all", "--", "--gin.TRAIN_STEPS=10", env=TPU_ENV | {"DRY_RUN": "1"}
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "tpu-vm create pod --accelerator-type=v4-32" in lines[0]
@@ -130,8 +147,12 @@ def test_slurm_dry_run_sets_the_coordinator_from_the_first_node(tmp_path):
     scontrol = tmp_path / "scontrol"
     scontrol.write_text("#!/bin/sh\necho node-1\nseq -f 'node-%g' 2 100000\n")
     scontrol.chmod(0o755)
-    result = run_script("slurm_gpu.sbatch", "--gin.TRAIN_STEPS=5",
-                        env=SLURM_ENV | {"DRY_RUN": "1"}, path_prefix=f"{tmp_path}:")
+    result = run_script(
+        "slurm_gpu.sbatch",
+        "--gin.TRAIN_STEPS=5",
+        env=SLURM_ENV | {"DRY_RUN": "1"},
+        path_prefix=f"{tmp_path}:",
+    )
     assert result.returncode == 0, result.stderr
     assert "coordinator node-1:24242" in result.stdout
     assert "srun --kill-on-bad-exit=1" in result.stdout
@@ -145,20 +166,24 @@ def test_slurm_without_a_venv_fails_early():
 
 
 def test_local_multiprocess_gives_each_process_its_index():
-    code = ("import os; print('index', os.environ['PROCESS_INDEX'], 'of', "
-            "os.environ['PROCESS_COUNT'], os.environ['COORDINATOR_ADDRESS'], "
-            "os.environ['XLA_FLAGS'])")
+    code = (
+        "import os; print('index', os.environ['PROCESS_INDEX'], 'of', "
+        "os.environ['PROCESS_COUNT'], os.environ['COORDINATOR_ADDRESS'], "
+        "os.environ['XLA_FLAGS'])"
+    )
     env = {"NUM_PROCESSES": "3", "DEVICES_PER_PROCESS": "2", "PYTHON": sys.executable}
     result = run_script("local_multiprocess.sh", sys.executable, "-c", code, env=env)
     assert result.returncode == 0, result.stderr
     for index in range(3):
-        assert re.search(rf"\[process {index}\] index {index} of 3 127\.0\.0\.1:\d+ "
-                         r"--xla_force_host_platform_device_count=2", result.stdout)
+        assert re.search(
+            rf"\[process {index}\] index {index} of 3 127\.0\.0\.1:\d+ "
+            r"--xla_force_host_platform_device_count=2",
+            result.stdout,
+        )
 
 
 def test_local_multiprocess_stops_the_others_when_one_fails(tmp_path):
-    code = ("import os, sys, time; "
-            "time.sleep(60 * int(os.environ['PROCESS_INDEX'])); sys.exit(7)")
+    code = "import os, sys, time; time.sleep(60 * int(os.environ['PROCESS_INDEX'])); sys.exit(7)"
     env = {"NUM_PROCESSES": "2", "LOG_DIR": str(tmp_path), "PYTHON": sys.executable}
     result = run_script("local_multiprocess.sh", sys.executable, "-c", code, env=env)
     assert result.returncode == 7
@@ -171,13 +196,18 @@ def test_local_multiprocess_stops_the_others_when_one_fails(tmp_path):
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_dockerfile_passes_hadolint(dockerfile):
-    result = subprocess.run([_tool("hadolint"), "--no-color", str(dockerfile)],
-                            capture_output=True, text=True, check=False)
+    result = subprocess.run(
+        [_tool("hadolint"), "--no-color", str(dockerfile)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(("name", "jax_extra"), [("Dockerfile.tpu", "tpu"),
-                                                 ("Dockerfile.gpu", "cuda12")])
+@pytest.mark.parametrize(
+    ("name", "jax_extra"), [("Dockerfile.tpu", "tpu"), ("Dockerfile.gpu", "cuda12")]
+)
 def test_dockerfile_essentials(name, jax_extra):
     text = (REPO / "docker" / name).read_text()
     base = re.search(r"^FROM (\S+)", text, re.M).group(1)
@@ -191,13 +221,15 @@ def test_dockerfile_essentials(name, jax_extra):
     assert user and user[-1].split(":")[0] not in ("root", "0")
     assert 'ENTRYPOINT ["python", "-m", "sonew_pax.train"]' in text
     copied = set(re.findall(r"^COPY (.+) \S+$", text, re.M))
-    assert " ".join(copied).split() and all((REPO / p).exists()
-                                             for c in copied for p in c.split())
+    assert " ".join(copied).split() and all((REPO / p).exists() for c in copied for p in c.split())
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():
-    ignored = {line.strip() for line in (REPO / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (REPO / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".git", ".venv", "runs"} <= ignored
     assert not {"sonew_pax", "configs", "pyproject.toml", "README.md"} & ignored
 
@@ -216,8 +248,12 @@ def _comment_numbers(text: str) -> dict[str, float]:
 
 def activation_bytes(cfg, tokens: int, sequences: int, seq_len: int) -> int:
     """Activations per chip by the formula in the config's comments (bf16, no remat)."""
-    per_layer = (6 * tokens * cfg.d_model + 4 * tokens * cfg.num_heads * cfg.head_dim
-                 + 2 * sequences * cfg.num_heads * seq_len**2 + 3 * tokens * cfg.mlp_dim)
+    per_layer = (
+        6 * tokens * cfg.d_model
+        + 4 * tokens * cfg.num_heads * cfg.head_dim
+        + 2 * sequences * cfg.num_heads * seq_len**2
+        + 3 * tokens * cfg.mlp_dim
+    )
     return 2 * per_layer * cfg.num_layers + 2 * tokens * cfg.vocab_size * 4
 
 
@@ -231,8 +267,9 @@ def run_config():
 
 
 def _bytes(tree) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree)
-               if hasattr(x, "shape"))
+    return sum(
+        math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "shape")
+    )
 
 
 def test_v4_32_memory_estimate_matches_the_real_model(run_config):

@@ -17,8 +17,9 @@ CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
 NOMINAL_PARAMS = {"tiny": 0.43e6, "small": 25e6, "base": 125e6, "350m": 350e6, "1b": 1e9}
 LOGICAL_NAMES = {"vocab", "embed", "mlp", "heads", "kv", "length"}
 
-SMALL = dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, head_dim=8, mlp_dim=48,
-             max_len=16)
+SMALL = dict(
+    vocab_size=64, d_model=32, num_layers=2, num_heads=4, head_dim=8, mlp_dim=48, max_len=16
+)
 VARIANTS = [
     dict(),
     dict(mlp_activation="swiglu", positions="learned", tie_embeddings=False),
@@ -115,8 +116,9 @@ def test_shipped_config_sizes(name):
 def test_gin_macro_builds_config():
     gin.clear_config()
     try:
-        gin.parse_config_files_and_bindings([str(CONFIGS / "tiny.gin")],
-                                            ["TransformerConfig.dropout_rate = 0.1"])
+        gin.parse_config_files_and_bindings(
+            [str(CONFIGS / "tiny.gin")], ["TransformerConfig.dropout_rate = 0.1"]
+        )
         config = gin.query_parameter("%MODEL_CONFIG").scoped_configurable_fn()
     finally:
         gin.clear_config()
@@ -179,9 +181,17 @@ def test_tiny_model_learns_a_batch():
     assert float(loss) < 0.5 * float(first)
 
 
-@pytest.mark.parametrize("bad", [dict(mlp_activation="relu"), dict(positions="alibi"),
-                                 dict(dtype="float16"), dict(num_heads=0),
-                                 dict(head_dim=7), dict(dropout_rate=1.0)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(mlp_activation="relu"),
+        dict(positions="alibi"),
+        dict(dtype="float16"),
+        dict(num_heads=0),
+        dict(head_dim=7),
+        dict(dropout_rate=1.0),
+    ],
+)
 def test_config_validation(bad):
     with pytest.raises(ValueError, match=next(iter(bad)).split("_")[0]):
         TransformerConfig(**{**SMALL, **bad})

@@ -76,8 +76,12 @@ _PROCESS_GROUP_VARS = {
 
 def _train_command(model_dir: pathlib.Path, steps: int) -> list[str]:
     return [
-        sys.executable, "-m", "sonew_pax.train", *TRAIN_ARGS,
-        f'--gin.MODEL_DIR="{model_dir}"', f"--gin.TRAIN_STEPS={steps}",
+        sys.executable,
+        "-m",
+        "sonew_pax.train",
+        *TRAIN_ARGS,
+        f'--gin.MODEL_DIR="{model_dir}"',
+        f"--gin.TRAIN_STEPS={steps}",
     ]
 
 
@@ -85,8 +89,15 @@ def _run(command: list[str], env: dict[str, str], log: pathlib.Path) -> None:
     """Runs ``command`` next to ``log`` (outside the repository, as a user would); fails the
     test with the log's tail if it fails."""
     with log.open("w") as out:
-        result = subprocess.run(command, cwd=log.parent, env=env, stdout=out,
-                                stderr=subprocess.STDOUT, timeout=400, check=False)
+        result = subprocess.run(
+            command,
+            cwd=log.parent,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=400,
+            check=False,
+        )
     if result.returncode:
         tail = "\n".join(log.read_text().splitlines()[-40:])
         pytest.fail(f"{command[:4]} exited with {result.returncode}:\n{tail}")
@@ -99,8 +110,11 @@ def train_single(model_dir, steps, devices, cache, log):
 
 def train_multi(model_dir, steps, cache, log):
     """Two processes with two CPU devices each, through the launcher."""
-    env = _env(cache) | {"NUM_PROCESSES": "2", "DEVICES_PER_PROCESS": "2",
-                         "DISTRIBUTED_TIMEOUT_S": "120"}
+    env = _env(cache) | {
+        "NUM_PROCESSES": "2",
+        "DEVICES_PER_PROCESS": "2",
+        "DISTRIBUTED_TIMEOUT_S": "120",
+    }
     _run(["bash", str(LAUNCHER), *_train_command(model_dir, steps)], env, log)
 
 
@@ -178,8 +192,15 @@ def test_a_missing_peer_fails_with_a_clear_message(tmp_path):
         "PROCESS_INDEX": "1",
         "DISTRIBUTED_TIMEOUT_S": "2",
     }
-    result = subprocess.run(_train_command(tmp_path / "run", 1), cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        _train_command(tmp_path / "run", 1),
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode == distributed.TIMEOUT_EXIT_CODE, result.stderr[-2000:]
     assert "process 1 of 2 timed out after 2 s" in result.stderr
     assert "127.0.0.1:1" in result.stderr

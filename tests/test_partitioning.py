@@ -10,8 +10,17 @@ from jax.sharding import PartitionSpec as P
 from sonew_pax import partitioning
 from sonew_pax.models import Transformer, TransformerConfig
 
-CONFIG = TransformerConfig(vocab_size=64, d_model=32, num_layers=2, num_heads=4, head_dim=8,
-                           mlp_dim=48, max_len=16, positions="learned", tie_embeddings=False)
+CONFIG = TransformerConfig(
+    vocab_size=64,
+    d_model=32,
+    num_layers=2,
+    num_heads=4,
+    head_dim=8,
+    mlp_dim=48,
+    max_len=16,
+    positions="learned",
+    tie_embeddings=False,
+)
 
 
 def _abstract_params(config=CONFIG, batch=8, length=16):
@@ -26,12 +35,15 @@ def test_default_mesh_uses_all_devices_on_data():
     assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
 
 
-@pytest.mark.parametrize("kwargs, shape", [
-    (dict(data=2, model=4), (1, 2, 4)),
-    (dict(model=2), (1, 4, 2)),
-    (dict(replica=2, model=2), (2, 2, 2)),
-    (dict(data=4, model=-1), (1, 4, 2)),
-])
+@pytest.mark.parametrize(
+    "kwargs, shape",
+    [
+        (dict(data=2, model=4), (1, 2, 4)),
+        (dict(model=2), (1, 4, 2)),
+        (dict(replica=2, model=2), (2, 2, 2)),
+        (dict(data=4, model=-1), (1, 4, 2)),
+    ],
+)
 def test_mesh_shapes(kwargs, shape):
     mesh = partitioning.make_mesh(**kwargs)
     assert tuple(mesh.shape.values()) == shape
@@ -43,11 +55,14 @@ def test_mesh_on_a_subset_of_devices():
     assert tuple(mesh.shape.values()) == (1, 2, 2)
 
 
-@pytest.mark.parametrize("kwargs, numbers", [
-    (dict(data=3), ("3", "8")),
-    (dict(data=2, model=2), ("4", "8")),
-    (dict(model=3), ("3", "8")),
-])
+@pytest.mark.parametrize(
+    "kwargs, numbers",
+    [
+        (dict(data=3), ("3", "8")),
+        (dict(data=2, model=2), ("4", "8")),
+        (dict(model=3), ("3", "8")),
+    ],
+)
 def test_bad_mesh_names_both_numbers(kwargs, numbers):
     with pytest.raises(ValueError) as err:
         partitioning.make_mesh(**kwargs)
@@ -155,11 +170,16 @@ def test_sharded_forward_matches_single_device():
 
     with partitioning.axis_rules_context(mesh):
         params = jax.jit(init, out_shardings=param_shardings)(jax.random.key(0))
-        forward = jax.jit(lambda p, x: model.apply({"params": p}, x),
-                          in_shardings=(param_shardings, partitioning.data_sharding(mesh)))
+        forward = jax.jit(
+            lambda p, x: model.apply({"params": p}, x),
+            in_shardings=(param_shardings, partitioning.data_sharding(mesh)),
+        )
         logits = forward(params, tokens)
-    for spec, array in zip(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-                           jax.tree.leaves(params), strict=True):
+    for spec, array in zip(
+        jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
+        jax.tree.leaves(params),
+        strict=True,
+    ):
         assert array.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), array.ndim)
     assert logits.sharding.spec[0] in ("data", ("replica", "data"))
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), atol=1e-5)
@@ -170,7 +190,8 @@ def test_activation_constraints_only_under_rules_context():
     model = Transformer(CONFIG)
     tokens = jax.ShapeDtypeStruct((8, 16), jnp.int32)
     params = jax.eval_shape(
-        lambda: nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((8, 16), jnp.int32))))
+        lambda: nn.meta.unbox(model.init(jax.random.key(0), jnp.zeros((8, 16), jnp.int32)))
+    )
     forward = jax.jit(model.apply)
     assert "sharding_constraint" not in forward.lower(params, tokens).as_text()
     with partitioning.axis_rules_context(mesh):

@@ -87,8 +87,16 @@ def test_missing_backend_fails_before_training(monkeypatch):
 
     with pytest.raises(paths.MissingBackendError) as error:
         trainer.train(
-            model_dir=RUN, train_steps=1, batch_size=8, seq_len=8, checkpoint_period=1,
-            eval_period=0, seed=0, model_config=None, learning_rate=None, train_data=no_data,
+            model_dir=RUN,
+            train_steps=1,
+            batch_size=8,
+            seq_len=8,
+            checkpoint_period=1,
+            eval_period=0,
+            seed=0,
+            model_config=None,
+            learning_rate=None,
+            train_data=no_data,
         )
     message = str(error.value)
     assert RUN in message and "pip install gcsfs google-cloud-storage" in message
@@ -180,7 +188,10 @@ def test_unfinished_cloud_saves_set_aside(fake_gcs, monkeypatch):
     assert ckpts.steps() == [4, 5]
     ckpts.close()
     assert sorted(p.name for p in run.iterdir()) == [
-        "checkpoint_3.partial", "checkpoint_4", "checkpoint_5"]
+        "checkpoint_3.partial",
+        "checkpoint_4",
+        "checkpoint_5",
+    ]
     assert (run / "checkpoint_3.partial" / "state" / "x").read_text() == "partial"
     assert (run / "checkpoint_4" / checkpoints.COMMIT_FILE).exists()
     assert checkpoints.unfinished_saves(RUN) == []

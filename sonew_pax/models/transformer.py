@@ -80,8 +80,15 @@ class TransformerConfig:
     norm_eps: float = 1e-6
 
     def __post_init__(self):
-        for name in ("vocab_size", "d_model", "num_layers", "num_heads", "head_dim", "mlp_dim",
-                     "max_len"):
+        for name in (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "head_dim",
+            "mlp_dim",
+            "max_len",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"TransformerConfig.{name} must be >= 1, got {value}")
@@ -115,8 +122,9 @@ def _normal(std: float):
 def _param(module: nn.Module, name: str, names: tuple[str, ...], shape, init):
     """Creates a parameter boxed with its logical axis names."""
     cfg = module.config
-    return module.param(name, nn.with_logical_partitioning(init, names), shape,
-                        jnp.dtype(cfg.param_dtype))
+    return module.param(
+        name, nn.with_logical_partitioning(init, names), shape, jnp.dtype(cfg.param_dtype)
+    )
 
 
 def rotary_embedding(x: jax.Array, base: float) -> jax.Array:
@@ -179,8 +187,13 @@ class CausalSelfAttention(nn.Module):
         probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
         attended = nn.with_logical_constraint(jnp.einsum("bhqt,bthk->bqhk", probs, v), heads_axes)
         out_init = _normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
-        out_kernel = _param(self, "out", ("heads", "kv", "embed"),
-                            (cfg.num_heads, cfg.head_dim, cfg.d_model), out_init).astype(dtype)
+        out_kernel = _param(
+            self,
+            "out",
+            ("heads", "kv", "embed"),
+            (cfg.num_heads, cfg.head_dim, cfg.d_model),
+            out_init,
+        ).astype(dtype)
         out = jnp.einsum("blhk,hkd->bld", attended, out_kernel)
         return nn.with_logical_constraint(out, ("batch", "length", "embed"))
 
@@ -219,11 +232,13 @@ class DecoderBlock(nn.Module):
     def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
-        attended = CausalSelfAttention(cfg, name="attn")(RMSNorm(cfg, name="attn_norm")(x),
-                                                         deterministic)
+        attended = CausalSelfAttention(cfg, name="attn")(
+            RMSNorm(cfg, name="attn_norm")(x), deterministic
+        )
         x = x + drop(attended, deterministic=deterministic)
-        x = x + drop(Mlp(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x)),
-                     deterministic=deterministic)
+        x = x + drop(
+            Mlp(cfg, name="mlp")(RMSNorm(cfg, name="mlp_norm")(x)), deterministic=deterministic
+        )
         return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
 
@@ -249,12 +264,14 @@ class Transformer(nn.Module):
         if length > cfg.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len {cfg.max_len}")
         init = _normal(cfg.init_std)
-        embedding = _param(self, "embedding", ("vocab", "embed"), (cfg.vocab_size, cfg.d_model),
-                           init)
+        embedding = _param(
+            self, "embedding", ("vocab", "embed"), (cfg.vocab_size, cfg.d_model), init
+        )
         x = jnp.take(embedding.astype(dtype), tokens, axis=0)
         if cfg.positions == "learned":
-            table = _param(self, "pos_embedding", ("length", "embed"), (cfg.max_len, cfg.d_model),
-                           init)
+            table = _param(
+                self, "pos_embedding", ("length", "embed"), (cfg.max_len, cfg.d_model), init
+            )
             x = x + table[:length].astype(dtype)[None]
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
@@ -262,11 +279,12 @@ class Transformer(nn.Module):
             x = DecoderBlock(cfg, name=f"layer_{i}")(x, deterministic)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = jnp.einsum("bld,vd->blv", x, embedding.astype(dtype),
-                                preferred_element_type=jnp.float32)
+            logits = jnp.einsum(
+                "bld,vd->blv", x, embedding.astype(dtype), preferred_element_type=jnp.float32
+            )
         else:
-            kernel = _param(self, "output", ("embed", "vocab"), (cfg.d_model, cfg.vocab_size),
-                            init)
-            logits = jnp.einsum("bld,dv->blv", x, kernel.astype(dtype),
-                                preferred_element_type=jnp.float32)
+            kernel = _param(self, "output", ("embed", "vocab"), (cfg.d_model, cfg.vocab_size), init)
+            logits = jnp.einsum(
+                "bld,dv->blv", x, kernel.astype(dtype), preferred_element_type=jnp.float32
+            )
         return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
