@@ -239,9 +239,7 @@ def _leaf_steps(
     steps: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
-        if _preconditioned(len(lay.shape), hyper.precondition_1d) and _on_kernel(
-            kernels, lay, _band(ei), hyper
-        ):
+        if _on_kernel(kernels, lay, _band(ei), hyper):
             key = (
                 g.shape,
                 _band(ei),
