@@ -16,8 +16,9 @@ With ``graft_lag=True`` the last line uses the previous step's ratio instead,
 ``u_t <- u_t r_{t-1}`` with ``r_t = ||a_t|| / ||u_t||`` stored in the state (``r_0 = 0``): the
 scale no longer waits for a reduction over the same step's directions, so the GPU kernels can
 apply the update in their one pass over memory (``apply``, :mod:`sonew_pax.optim.transform`; on
-an H100 the LM set's tridiag update takes 1.64x AdamW's device time instead of 1.92x, diag 1.10x
-instead of 1.38x: ``benchmarks/README.md``, "Optimizer speed", version 10). Through
+an H100 the LM set's tridiag update took 1.64x AdamW's device time instead of 1.92x, diag 1.10x
+instead of 1.38x: ``benchmarks/README.md``, "Optimizer speed", version 10; 1.44x and 1.04x since
+version 13). Through
 ``update`` and ``optax.apply_updates`` the lag saves nothing.
 
 ``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see ``chain.py``).
