@@ -305,6 +305,19 @@ def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monke
     assert sorted(launches) == sorted(expect_launches)
 
 
+def test_group_update_rejects_tensors_of_different_launch_keys():
+    """One launch serves one shape, dtype set and apply: a float32 and a bfloat16 momentum, or
+    two shapes, are refused before any kernel is built."""
+    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    g, e = jnp.zeros((16, 64)), jnp.zeros((1, 16, 64))
+    for m2, g2 in ((g.astype(jnp.bfloat16), g), (jnp.zeros((8, 64)), jnp.zeros((8, 64)))):
+        with pytest.raises(ValueError, match="different launch keys"):
+            fused.group_update(
+                [g, g2], [g, m2], [g, g2 + 1], [e, e[:, : g2.shape[0]]], (0.1, 0.05), hyper,
+                interpret=True,
+            )  # fmt: skip
+
+
 @pytest.mark.parametrize("kernel", ["tile", "scan", "band"])
 def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different

@@ -160,6 +160,15 @@ def launch_group(shape: tuple[int, ...], band: int) -> int:
     return max(1, min(_MAX_GROUP, _GROUP_ELEMENTS // max(1, math.prod(shape))))
 
 
+def launch_key(g: jax.Array, m: jax.Array, d: jax.Array, e: Any, apply: Apply | None) -> tuple:
+    """What the tensors of one :func:`group_update` launch share: ``(shape, band, dtypes of g
+    and the state, apply)``, ``apply`` being ``None`` or the parameters' ``(dtype, decayed)``."""
+    band = 0 if not hasattr(e, "shape") else e.shape[0]
+    dtypes = tuple(jnp.dtype(x.dtype) for x in (g, m, d, *([e] if band else [])))
+    fused_apply = None if apply is None else (jnp.dtype(apply.params.dtype), bool(apply.decayed))
+    return g.shape, band, dtypes, fused_apply
+
+
 def scan_stack(rows: int) -> int:
     """How many walks the band-1 scan stacks in a program of ``rows`` rows: ``SCAN_STACK``, at
     most ``rows`` (a walk of one row)."""
@@ -898,7 +907,7 @@ def group_update(
     halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
     applies: list[Apply | None] | None = None,
 ) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
-    """:func:`leaf_update` of several tensors of one shape, state dtypes and kind of apply (all
+    """:func:`leaf_update` of several tensors of one :func:`launch_key` (shape, dtypes, and all
     with or all without :class:`Apply`, of one parameter dtype and ``decayed``) in one launch:
     the grid gains an axis over the tensors and each program runs one tensor's kernel. A small
     tensor's kernel is short and its walk's first loads wait on memory before any row is
@@ -907,7 +916,10 @@ def group_update(
     count = len(gs)
     halos = halos or [None] * count
     applies = applies or [None] * count
-    shape, band = gs[0].shape, 0 if not hasattr(es[0], "shape") else es[0].shape[0]
+    keys = set(map(launch_key, gs, ms, ds, es, applies))
+    if len(keys) != 1:
+        raise ValueError(f"group_update: tensors of different launch keys {sorted(map(str, keys))}")
+    ((shape, band, dtypes, apply_config),) = keys
     rows, cols, num_warps = tile or default_tile(band, shape)
     kernel = "band" if band >= 2 else "scan" if band == 1 and BAND1_KERNEL == "scan" else "tile"
     stack = scan_stack(rows) if kernel == "scan" else 1
@@ -929,7 +941,7 @@ def group_update(
             f"band {band} on {shape} in chunks of {rows} rows: {band * halo_size} halo "
             "elements exceed int32 offsets; use longer row chunks (tile)"
         )
-    inputs, configs = [scalars], set()
+    inputs = [scalars]
     for g, m, d, e, halo, applied in zip(gs, ms, ds, es, halos, applies, strict=True):
         state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
         extra = []
@@ -947,26 +959,16 @@ def group_update(
         if applied is not None:
             params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]
         inputs += [g.reshape(-1), *(x.reshape(-1) for x in state), *extra, *params]
-        configs.add(
-            (
-                g.shape,
-                tuple(jnp.dtype(x.dtype) for x in state),
-                None if applied is None else (jnp.dtype(applied.params.dtype), applied.decayed),
-            )
-        )
-    if len(configs) != 1:
-        raise ValueError(f"group_update: tensors of different configurations {sorted(configs)}")
-    ((_, state_dtypes, apply_config),) = configs
     step = _step_call(
         shape,
         band,
         hyper.graft,
         (rows, cols, num_warps),
-        state_dtypes,
+        dtypes[1:],  # the state's
         kernel,
         (stack, SCAN_AHEAD) if kernel == "scan" else None,
         interpret,
-        None if apply_config is None else (apply_config[0], bool(apply_config[1])),
+        apply_config,
         len(extra),
         count,
     )

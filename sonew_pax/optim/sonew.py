@@ -233,7 +233,7 @@ def _leaf_steps(
     (:func:`_kernels_enabled`) the steps of tensors whole on their device as Pallas kernels
     (bands >= 1 with their state's ``halos``, :func:`_halos`; bands >= 2 where
     ``fused.supported``; with ``applies[k]``, ``fused.Apply``, writing the parameters in ``u``'s
-    place), where the tensors of one shape, state dtypes and apply share launches
+    place), where the tensors of one ``fused.launch_key`` share launches
     (``fused.group_update``, ``fused.launch_group`` tensors each); :func:`_leaf_step` on XLA
     for the others."""
     grads, m, d, e, _, layouts = leaves
@@ -241,14 +241,7 @@ def _leaf_steps(
     groups: dict[tuple, list[int]] = {}
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
         if _on_kernel(kernels, lay, _band(ei), hyper):
-            key = (
-                g.shape,
-                _band(ei),
-                *(jnp.dtype(x.dtype) for x in (g, m[k], d[k])),
-                jnp.dtype(ei.dtype) if _band(ei) else None,
-                None if apply is None else (jnp.dtype(apply.params.dtype), apply.decayed),
-            )
-            groups.setdefault(key, []).append(k)
+            groups.setdefault(fused.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
             steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay)
     for (shape, band, *_), members in groups.items():
