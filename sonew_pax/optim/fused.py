@@ -608,7 +608,9 @@ def _band_scan_kernel(
     * Algorithm 3's cut test of vertex ``t - b`` on its full window (``solve.window_cut``);
     * the truncated factor of vertex ``i = t - 2b + 1``, whose window's cuts are now all known
       (``solve.truncated_factor``), and its ``z_i = D_ii (w_i + sum_p L_{i+1+p,i} w_{i+1+p})``;
-    * ``u_i = s_i (z_i + sum_p L_{i, i-1-p} z_{i-1-p})``, as ``solve.apply``.
+    * ``u_i = s_i (z_i + sum_p L_{i, i-1-p} z_{i-1-p})``, as ``solve.apply``; each factored
+      vertex adds its terms to the ``b`` sums of the vertices below it, so the walk carries ``b``
+      sums instead of the last ``b`` columns of ``L`` and their ``z``.
 
     Rows are read once per walk (the ``3b - 1`` rows around a chunk by two walks), every vertex
     and window solved once. The state is updated in place; the walk reads the state of other
@@ -696,7 +698,7 @@ def _band_scan_kernel(
         return raw, tuple(e_old)
 
     def body(loader, t, carry):
-        loaded, g_q, s_q, w_q, rho_q, cut_q, lz_q, pairs = carry
+        loaded, g_q, s_q, w_q, rho_q, cut_q, acc_q, pairs = carry
         # Row t was loaded in the previous iteration; row t + 1's loads are in flight while
         # row t is computed (as the band-1 scan's ``ahead``).
         (raw, e_olds), loaded = loaded, loader(t + 1)
@@ -726,11 +728,8 @@ def _band_scan_kernel(
         for p in range(b):
             y = y + lower[p] * w_q[1 + p]
         z = diag * y
-        out = z
-        for p in range(b):
-            lower_before, z_before = lz_q[-1 - p]
-            out = out + lower_before[p] * z_before
-        u = s_q[0] * out
+        # acc_q[n]: sum_p L_{i+n, i+n-1-p} z_{i+n-1-p} over the vertices factored so far.
+        u = s_q[0] * (acc_q[0] + z)
         at_i = vertex_i * num_cols + c
         p_i = None if p_ref is None else read(p_ref, at_i, mine(vertex_i))
         write(out_ref, at_i, _output(scalars_ref, ratio_ref, u, p_i, decayed), mine(vertex_i))
@@ -745,7 +744,7 @@ def _band_scan_kernel(
             (*w_q[1:], v.w),
             (*(tuple(x) for x in rho_q[1:]), (zero,) * b),
             (*cut_q[1:], cut),
-            (*lz_q[1:], (tuple(lower), z)),
+            tuple(acc + lp * z for acc, lp in zip((*acc_q[1:], zero), lower, strict=True)),
             pairs,
         )
 
@@ -757,7 +756,7 @@ def _band_scan_kernel(
         (zero,) * (2 * b - 1),
         ((zero,) * b,) * (2 * b - 1),
         (zero,) * (b - 1),
-        (((zero,) * b, zero),) * b,
+        (zero,) * b,
         ((floor, zero),) * 2,
     )
     # Rows first - b ... last + 2b - 1, in three loops: the middle one loads rows t + 1 whose
