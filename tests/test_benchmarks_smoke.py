@@ -267,6 +267,30 @@ def test_profile_update_band1_kernels(tmp_path):
             profile_update.parse_args(bad)
 
 
+def test_profile_update_sets_fused_constants(tmp_path, monkeypatch):
+    """--fused NAME=VALUE holds for every profiled row, is recorded in the config and restored
+    after; a name that is not a constant of fused, or a value of another type, is refused."""
+    saved = fused.BANDED_TILE, fused._BANDED_MIN_ROWS
+    seen = []
+    profile = profile_update.profile_optimizer
+
+    def spy(*args):
+        seen.append((fused.BANDED_TILE, fused._BANDED_MIN_ROWS))
+        return profile(*args)
+
+    monkeypatch.setattr(profile_update, "profile_optimizer", spy)
+    argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
+    argv += ["--fused", "_BANDED_MIN_ROWS=16", "--fused", "BANDED_TILE=(64, 64, 2)"]
+    out = tmp_path / "p.json"
+    written = _read(out, profile_update.main([*argv, "--out", str(out)]))
+    assert seen == [((64, 64, 2), 16)] * 2
+    assert written["config"]["fused"] == {"_BANDED_MIN_ROWS": "16", "BANDED_TILE": "(64, 64, 2)"}
+    assert saved == (fused.BANDED_TILE, fused._BANDED_MIN_ROWS)
+    for bad in ("NOPE=1", "_BANDED_MIN_ROWS", "_BANDED_MIN_ROWS=16.0", "BANDED_TILE=[64]", "x=1"):
+        with pytest.raises(SystemExit):
+            profile_update.parse_args(["--fused", bad])
+
+
 def test_step_counts_must_be_whole_and_large_enough():
     for argv in (["--iters", "0"], ["--warmup", "-1"], ["--profile_steps", "-2"], ["--iters", "x"]):
         with pytest.raises(SystemExit):
