@@ -30,8 +30,11 @@ update the donated state in place: it copies every state array once more. Here:
   twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions, and
   reads other chunks' rows from the halo kernel's copies. Band 4 of the LM set takes 4.9x
   AdamW's device time on an H200 (5.0x with the halo rows gathered by XLA), against XLA's 11.7x
-  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json): the walk's
-  window solves and its halo rows, not the bytes, bound it;
+  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json), and 4.1x on an
+  H100 (results/profile_update_band4_acc.json). Not the bytes bound it: on a 1024 x 1024
+  tensor's launch the walk holds 127 registers per thread, its grid fills 0.48 of a wave (12%
+  occupancy), and the DRAM runs at 27% of its peak while each warp waits 3.5 cycles per
+  instruction on the walk's dependent arithmetic (results/ncu_band4_h100.json);
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``;
@@ -109,7 +112,10 @@ SCAN_AHEAD = 1
 # chunks are longer than band 1's. On an H200 (band 4, graft_lag, the LM set's update:
 # results/profile_update_band4_tiles.json) 64 rows were fastest on its 4M-element tensors (512
 # programs), 32 on its 1M-element ones; 64 columns on 2 warps were within 1% of 128 on 4, and
-# 16 rows were slower.
+# 16 rows were slower. On an H100 (results/profile_update_band4_min_rows.json) 16-row chunks on
+# the 1M-element tensors took 14.64 ms against 14.28 (their halo copies are 11/16 of the state);
+# 64 x 64 x 2 tiles (on which the 1M-element tensors keep 32 rows) 14.12, 1% faster, as close as
+# on the H200: the tile stays.
 BANDED_TILE = (64, 128, 4)
 _BANDED_PROGRAMS = 512
 _BANDED_MIN_ROWS = 32
@@ -154,7 +160,8 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
 def launch_group(shape: tuple[int, ...], band: int) -> int:
     """How many tensors of ``shape`` :func:`group_update` launches together: enough to reach
     ``_GROUP_ELEMENTS`` elements, at most ``_MAX_GROUP`` (each adds a branch to the compiled
-    kernel); bands >= 2 one (their kernel is long to compile)."""
+    kernel); bands >= 2 one (their kernel is long to compile: with 4 band-4 tensors per launch
+    the LM set's update had not compiled after 170 s on an H100)."""
     if band >= 2:
         return 1
     return max(1, min(_MAX_GROUP, _GROUP_ELEMENTS // max(1, math.prod(shape))))
