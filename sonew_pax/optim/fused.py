@@ -1,8 +1,9 @@
 """The SONew step of a tensor as Pallas kernels (GPU, Triton), state in place.
 
-XLA compiles the band-1 step (``pointwise.tridiagonal_step`` on chain shifts) into several passes
-over memory and, because the fusion that writes the new state also reads its neighbours, it cannot
-update the donated state in place: it copies every state array once more. Here:
+XLA compiles the band-1 step (``pointwise``'s functions on chain shifts) into several passes over
+memory and, where a fusion that writes the new state also reads its neighbours' old state, copies
+that state array once more (``sonew._banded_step`` shifts the new moments, so only ``e`` is left
+to copy). Here:
 
 * **the halo kernel** first copies, for band b, the first ``2b - 1`` and last ``b`` rows of
   every row chunk of ``m``, ``d`` and ``e`` into halo rows (:func:`gather_halos`,

@@ -95,10 +95,21 @@ class Vertex(NamedTuple):
 
 def vertex(raw: Raw, corrections, hyper: Hyper) -> Vertex:
     """The :class:`Vertex` of one position from its raw values."""
+    return vertex_of_moments(raw.g, *moments(raw, hyper), corrections, hyper)
+
+
+def vertex_of_moments(
+    g: jax.Array, m: jax.Array, d: jax.Array, corrections, hyper: Hyper
+) -> Vertex:
+    """The :class:`Vertex` of one position from its gradient and new moments (:func:`moments`)."""
     c1, c2 = _factors(corrections)
-    m, d = moments(raw, hyper)
     scale = solve.unit_scale(d * c2 + hyper.eps)
-    return Vertex(raw.g, m, d, scale, scale * (m * c1))
+    return Vertex(g, m, d, scale, scale * (m * c1))
+
+
+def edge_statistic(e_old: jax.Array, g_a: jax.Array, g_b: jax.Array, hyper: Hyper) -> jax.Array:
+    """The new statistic ``e`` of the edge between positions with gradients ``g_a`` and ``g_b``."""
+    return hyper.b2 * e_old + (1 - hyper.b2) * g_a * g_b
 
 
 def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
@@ -106,18 +117,41 @@ def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hype
     with ``e`` its new statistic and ``rho = e_hat s_a s_b`` its entry of the unit-diagonal
     ``C = S H S`` (``solve.correlations``)."""
     _, c2 = _factors(corrections)
-    e = hyper.b2 * e_old + (1 - hyper.b2) * a.g * b.g
+    e = edge_statistic(e_old, a.g, b.g, hyper)
     return e, e * c2 * a.scale * b.scale
 
 
+def edge_factor(e: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
+    """The edge ``(a, b)`` of consecutive chain positions from its new statistic ``e``: ``(l, z)``
+    with ``(l, D)`` Theorem 1's ``L_{b,a}`` and ``D_aa`` on its correlation
+    (``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the factor's ``D L^T w`` at
+    ``a``."""
+    _, c2 = _factors(corrections)
+    lower, diag = solve.tridiagonal_inverse(e * c2 * a.scale * b.scale, hyper.gamma)
+    return lower[0], diag * (a.w + lower[0] * b.w)
+
+
 def edge(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
-    """The edge ``(a, b)`` of consecutive chain positions: ``(e, l, z)`` with ``e`` its new
-    statistic, ``(l, D)`` Theorem 1's ``L_{b,a}`` and ``D_aa`` on its correlation
-    (:func:`correlation`, ``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the
-    factor's ``D L^T w`` at ``a``."""
-    e, rho = correlation(e_old, a, b, corrections, hyper)
-    lower, diag = solve.tridiagonal_inverse(rho, hyper.gamma)
-    return e, lower[0], diag * (a.w + lower[0] * b.w)
+    """:func:`edge_factor` of the edge's statistic updated from ``e_old``: ``(e, l, z)``."""
+    e = edge_statistic(e_old, a.g, b.g, hyper)
+    return (e, *edge_factor(e, a, b, corrections, hyper))
+
+
+def tridiagonal_direction(
+    before: Vertex,
+    here: Vertex,
+    after: Vertex,
+    e_here: jax.Array,
+    e_before: jax.Array,
+    corrections,
+    hyper: Hyper,
+) -> jax.Array:
+    """Band 1's ``u_j = s_j [z_j + l_{j-1} z_{j-1}]`` (:func:`edge_factor`) from the vertices at
+    ``j - 1``, ``j``, ``j + 1`` and the new statistics of the edges ``(j, j+1)`` and
+    ``(j-1, j)``."""
+    _, z = edge_factor(e_here, here, after, corrections, hyper)
+    lower_before, z_before = edge_factor(e_before, before, here, corrections, hyper)
+    return here.scale * (z + lower_before * z_before)
 
 
 def tridiagonal_step(
@@ -129,15 +163,16 @@ def tridiagonal_step(
     ``w = s m_hat``, ``s = (d_hat + eps)^{-1/2}`` and ``(l, D)`` from Theorem 1
     (``solve.tridiagonal_inverse``) on the correlations of the edges ``(j-1, j)`` and ``(j, j+1)``:
     the same math as ``solve.apply(solve.factorize(...))``, with every per-vertex and per-edge
-    quantity (:func:`vertex`, :func:`edge`) recomputed from the raw neighbours instead of read
-    from materialised ``S``, ``L``, ``D`` arrays. ``e_at`` and ``e_before`` are the stored
-    statistics of edges ``(j, j+1)`` and ``(j-1, j)`` (zero past the chain's ends, as every
-    neighbour value is).
+    quantity (:func:`vertex`, :func:`edge_statistic`, :func:`tridiagonal_direction`) recomputed
+    from the raw neighbours instead of read from materialised ``S``, ``L``, ``D`` arrays.
+    ``e_at`` and ``e_before`` are the stored statistics of edges ``(j, j+1)`` and ``(j-1, j)``
+    (zero past the chain's ends, as every neighbour value is). (The tile kernel's form; the XLA
+    path shifts the new moments instead, ``sonew._banded_step``.)
     """
     v = {k: vertex(r, corrections, hyper) for k, r in at.items()}
-    e_next, _, z = edge(e_at, v[0], v[1], corrections, hyper)
-    _, lower_prev, z_prev = edge(e_before, v[-1], v[0], corrections, hyper)
-    u = v[0].scale * (z + lower_prev * z_prev)
+    e_next = edge_statistic(e_at, v[0].g, v[1].g, hyper)
+    e_prev = edge_statistic(e_before, v[-1].g, v[0].g, hyper)
+    u = tridiagonal_direction(v[-1], v[0], v[1], e_next, e_prev, corrections, hyper)
     return Step(adam_direction(v[0].m, v[0].d, corrections, hyper), u, v[0].m, v[0].d, e_next)
 
 
