@@ -116,9 +116,14 @@ def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hype
     """The edge ``(a, b)`` of chain positions ``k`` apart (any ``k`` in the band): ``(e, rho)``
     with ``e`` its new statistic and ``rho = e_hat s_a s_b`` its entry of the unit-diagonal
     ``C = S H S`` (``solve.correlations``)."""
-    _, c2 = _factors(corrections)
     e = edge_statistic(e_old, a.g, b.g, hyper)
-    return e, e * c2 * a.scale * b.scale
+    return e, _correlation_of(e, a, b, corrections)
+
+
+def _correlation_of(e: jax.Array, a: Vertex, b: Vertex, corrections) -> jax.Array:
+    """``rho = e_hat s_a s_b`` of the edge ``(a, b)`` with new statistic ``e``."""
+    _, c2 = _factors(corrections)
+    return e * c2 * a.scale * b.scale
 
 
 def edge_factor(e: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
@@ -126,8 +131,7 @@ def edge_factor(e: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -
     with ``(l, D)`` Theorem 1's ``L_{b,a}`` and ``D_aa`` on its correlation
     (``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the factor's ``D L^T w`` at
     ``a``."""
-    _, c2 = _factors(corrections)
-    lower, diag = solve.tridiagonal_inverse(e * c2 * a.scale * b.scale, hyper.gamma)
+    lower, diag = solve.tridiagonal_inverse(_correlation_of(e, a, b, corrections), hyper.gamma)
     return lower[0], diag * (a.w + lower[0] * b.w)
 
 
