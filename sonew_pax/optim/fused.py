@@ -706,7 +706,7 @@ def _band_scan_kernel(
         return raw, tuple(e_old)
 
     def body(loader, t, carry):
-        loaded, g_q, s_q, w_q, rho_q, cut_q, acc_q, pairs = carry
+        loaded, g_q, s_q, w_q, rho_q, solved_q, cut_q, acc_q, pairs = carry
         # Row t was loaded in the previous iteration; row t + 1's loads are in flight while
         # row t is computed (as the band-1 scan's ``ahead``).
         (raw, e_olds), loaded = loaded, loader(t + 1)
@@ -728,10 +728,17 @@ def _band_scan_kernel(
             rows_ = [[rho_q[n + 1 + p][q] for q in range(b - 1 - p)] for p in range(b)]
             return rows_, rho_q[n]
 
-        schur, _, pivot = solve.window_solve(*window(b - 1))  # vertex t - b
+        schur, solution, pivot = solve.window_solve(*window(b - 1))  # vertex t - b
         cut = solve.window_cut(schur, pivot, hyper.gamma)
         vertex_i = t - 2 * b + 1
-        lower, diag = solve.truncated_factor(*window(0), [*cut_q, cut])
+        cuts = [*cut_q, cut]
+        # Vertex i's window solve ran b - 1 rows ago (solved_q[0]); without cuts in its window
+        # it is the truncated one. A branch on the whole program skips the second solve.
+        lower, diag = jax.lax.cond(
+            jnp.max(functools.reduce(jnp.maximum, cuts)) > 0,
+            lambda: solve.truncated_factor(*window(0), cuts),
+            lambda: solve.window_factor(*solved_q[0]),
+        )
         y = w_q[0]
         for p in range(b):
             y = y + lower[p] * w_q[1 + p]
@@ -751,6 +758,7 @@ def _band_scan_kernel(
             (*s_q[1:], v.scale),
             (*w_q[1:], v.w),
             (*(tuple(x) for x in rho_q[1:]), (zero,) * b),
+            (*solved_q[1:], (schur, tuple(solution))),
             (*cut_q[1:], cut),
             tuple(acc + lp * z for acc, lp in zip((*acc_q[1:], zero), lower, strict=True)),
             pairs,
@@ -763,6 +771,7 @@ def _band_scan_kernel(
         (zero,) * (2 * b - 1),
         (zero,) * (2 * b - 1),
         ((zero,) * b,) * (2 * b - 1),
+        ((zero + 1, (zero,) * b),) * (b - 1),  # the solve of a window of zeros
         (zero,) * (b - 1),
         (zero,) * b,
         ((floor, zero),) * 2,

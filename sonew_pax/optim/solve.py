@@ -155,6 +155,18 @@ def truncated_factor(
         keep.append(keep[-1] * (1 - cut))
     masked_rows = [[a * keep[p + 1 + k] for k, a in enumerate(row)] for p, row in enumerate(rows)]
     schur, x, _ = window_solve(masked_rows, [c * kp for c, kp in zip(rhs, keep, strict=True)])
+    return window_factor(schur, x)
+
+
+def window_factor(schur: jax.Array, x: list[jax.Array]) -> tuple[list[jax.Array], jax.Array]:
+    """``(lower, d)`` of a vertex from its window's :func:`window_solve` (``schur``, ``x``):
+    ``L_{j+1+p, j} = -x[p]`` and ``D_jj = 1 / schur``, or an isolated vertex (``lower = 0``,
+    ``D_jj = 1``) where the solve failed.
+
+    :func:`truncated_factor` applies it to the truncated window. Where no vertex of the window
+    cuts the chain the masks are exact ones, so the full window's solve (the one the cut test
+    ran) gives the same values: the banded kernel reuses it then.
+    """
     # Exact arithmetic guarantees a positive truncated Schur complement after the cuts; guard
     # against rounding by isolating any vertex whose solve still failed.
     ok = jnp.isfinite(schur) & (schur > 0)
