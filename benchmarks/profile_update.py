@@ -46,6 +46,7 @@ from sonew_pax.optim import fused
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
 COLUMNS = ("optimizer", "wall_ms", "busy_ms", "idle_ms", "kernels")
 FAMILY_COLUMNS = ("name", "ms", "count")
+GRAD_STD = 1e-3  # update_speed.py's
 
 
 def device_kernels(trace: dict) -> list[tuple[str, float]]:
@@ -235,6 +236,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="set a constant of sonew_pax.optim.fused for the whole run (repeatable), e.g. "
         "--fused _BANDED_MIN_ROWS=16 --fused 'BANDED_TILE=(64,64,2)'; recorded in config.fused",
     )
+    p.add_argument(
+        "--grad_std",
+        type=float,
+        default=GRAD_STD,
+        help="standard deviation of the random gradient every step applies. At the default, "
+        "sonew's eps (1e-8) keeps the repeated gradient's rank-one statistics regular: no "
+        "band >= 2 window cuts the chain, as in training. At 1 every window is singular and "
+        "Algorithm 3 cuts every edge: the banded kernel's slow path (solve.truncated_factor)",
+    )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
@@ -249,13 +259,13 @@ def main(argv=None) -> dict:
     if unknown:
         raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose {update_speed.OPTIMIZERS}")
     shapes = lm_shapes.from_args(args)
-    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=args.grad_std)
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="profile_update_"))
     result = {
         "device": common.device_name(),
         "date": common.utc_date(),
         "params": lm_shapes.count(shapes),
-        "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers")},
+        "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers", "grad_std")},
         "rows": [],
     }
     if args.fused:

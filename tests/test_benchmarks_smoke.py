@@ -223,9 +223,10 @@ def test_profile_update_schema(tmp_path):
     out = tmp_path / "profile_update.json"
     argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "1", *TINY]
     returned = profile_update.main(
-        [*argv, "--trace_dir", str(tmp_path / "traces"), "--out", str(out)]
+        [*argv, "--grad_std", "0.5", "--trace_dir", str(tmp_path / "traces"), "--out", str(out)]
     )
     written = _read(out, returned)
+    assert written["config"]["grad_std"] == 0.5
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == {"adamw", "sonew_tridiag"}
     for row in rows.values():
