@@ -395,24 +395,14 @@ def _numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
     return hyper, (values["bc1"], values["bc2"])
 
 
-def _apply_numbers(scalars_ref, ratio_ref, decayed: bool) -> tuple | None:
-    """The fused apply's ``(graft ratio, weight decay, scale)`` (:class:`Apply`), or ``None``
-    without it. The walks read them once, before their loops: the compiler does not hoist a
-    load out of a loop whose stores may alias it, and in the loop each row waited on it (on an
-    H100 the band-4 walk stalled there)."""
-    if ratio_ref is None:
-        return None
-    weight_decay, scale = (scalars_ref[len(_SCALARS) + k] for k in range(len(_APPLY_SCALARS)))
-    return ratio_ref[0], weight_decay if decayed else 0, scale
-
-
-def _output(numbers: tuple | None, u, p):
+def _output(scalars_ref, ratio_ref, u, p, decayed: bool):
     """What the kernel writes in ``u``'s place: ``u``, or with the fused apply (``p`` read, not
-    ``None``; ``numbers`` from :func:`_apply_numbers`) the new parameter."""
+    ``None``) the new parameter (:class:`Apply`)."""
     if p is None:
         return u
-    ratio, decay, scale = numbers
-    return pointwise.apply_update(p, u, ratio, decay, scale)
+    weight_decay, scale = (scalars_ref[len(_SCALARS) + k] for k in range(len(_APPLY_SCALARS)))
+    decay = weight_decay if decayed else 0
+    return pointwise.apply_update(p, u, ratio_ref[0], decay, scale)
 
 
 def _write_parts(parts_ref, i, j, pairs) -> None:
@@ -498,7 +488,6 @@ def _scan_kernel(
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
     hyper, corrections = _numbers(scalars_ref, graft)
-    applied = _apply_numbers(scalars_ref, ratio_ref, decayed)
     compute = d_ref.dtype
     block_first, block_last = _chunk_rows(i, rows, num_rows)
     # Each walk's first and last row, (stack, 1); a walk below the view's last row is empty
@@ -570,7 +559,7 @@ def _scan_kernel(
         u = here.scale * (z + above[0] * above[1])  # tridiagonal_step's expression
         adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
         at = r * num_cols + c
-        out = _output(applied, u, p_here)
+        out = _output(scalars_ref, ratio_ref, u, p_here, decayed)
         for ref, x in ((out_ref, out), (m_out, here.m), (d_out, here.d), (e_out, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         pairs = tuple(_running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
@@ -634,8 +623,8 @@ def _band_scan_kernel(
     Rows are read once per walk (the ``3b - 1`` rows around a chunk by two walks), every vertex
     and window solved once. The state is updated in place; the walk reads the state of other
     chunks' rows from the halo copies (:func:`band_halo_rows`), taken before the step. With
-    ``apply`` (:class:`Apply`) the kernel reads ``p_ref`` at row ``i`` (a row ahead, with row
-    ``t + 1``'s values) and writes the new parameters there (in place) instead of ``u``.
+    ``apply`` (:class:`Apply`) the kernel reads ``p_ref`` at row ``i`` and writes the new
+    parameters there (in place) instead of ``u``.
     """
     p_ref, ratio_ref = refs[:2] if apply else (None, None)
     out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
@@ -646,7 +635,6 @@ def _band_scan_kernel(
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
     hyper, corrections = _numbers(scalars_ref, graft)
-    applied = _apply_numbers(scalars_ref, ratio_ref, decayed)
     compute = d_ref.dtype
     first, last = _chunk_rows(i, rows, num_rows)
     # The chain continues below the view's last row at the next column's first row, and above
@@ -717,18 +705,11 @@ def _band_scan_kernel(
         e_old = (read(e_ref, k * size + at - (1 + k) * num_cols, in_cols) for k in range(b))
         return raw, tuple(e_old)
 
-    def ahead(loader, t) -> tuple:
-        """Row ``t``'s values (``loader``) and, with ``apply``, the parameters of vertex
-        ``t - 2b + 1``, which the iteration of row ``t`` updates (``None`` without)."""
-        vertex_i = t - 2 * b + 1
-        p = None if p_ref is None else read(p_ref, vertex_i * num_cols + c, mine(vertex_i))
-        return (*loader(t), p)
-
     def body(loader, t, carry):
         loaded, g_q, s_q, w_q, rho_q, solved_q, cut_q, acc_q, pairs = carry
         # Row t was loaded in the previous iteration; row t + 1's loads are in flight while
         # row t is computed (as the band-1 scan's ``ahead``).
-        (raw, e_olds, p_i), loaded = loaded, ahead(loader, t + 1)
+        (raw, e_olds), loaded = loaded, loader(t + 1)
         v = pointwise.vertex(raw, corrections, hyper)
         for ref, x in ((m_out, v.m), (d_out, v.d)):
             write(ref, t * num_cols + c, x, mine(t))
@@ -764,7 +745,9 @@ def _band_scan_kernel(
         z = diag * y
         # acc_q[n]: sum_p L_{i+n, i+n-1-p} z_{i+n-1-p} over the vertices factored so far.
         u = s_q[0] * (acc_q[0] + z)
-        write(out_ref, vertex_i * num_cols + c, _output(applied, u, p_i), mine(vertex_i))
+        at_i = vertex_i * num_cols + c
+        p_i = None if p_ref is None else read(p_ref, at_i, mine(vertex_i))
+        write(out_ref, at_i, _output(scalars_ref, ratio_ref, u, p_i, decayed), mine(vertex_i))
         pairs = tuple(
             _running_pair(pair, x, mine(r))
             for pair, x, r in zip(pairs, (adam, u), (t, vertex_i), strict=True)
@@ -783,7 +766,7 @@ def _band_scan_kernel(
 
     floor = jnp.full((cols,), _scale_floor(compute), compute)
     init = (
-        ahead(load, first - b),
+        load(first - b),
         (zero,) * b,
         (zero,) * (2 * b - 1),
         (zero,) * (2 * b - 1),
@@ -878,7 +861,7 @@ def _step_kernel(
             plgpu.debug_barrier()
         step = pointwise.tridiagonal_step(at, e_here, e_up, corrections, hyper)
         outputs.append((e_out, "e"))
-    out = _output(_apply_numbers(scalars_ref, ratio_ref, decayed), step.u, p)
+    out = _output(scalars_ref, ratio_ref, step.u, p, decayed)
     plgpu.store(out_ref.at[offset], out.astype(out_ref.dtype), mask=valid)
     for ref, name in outputs:
         plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
