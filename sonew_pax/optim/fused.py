@@ -28,14 +28,16 @@ to copy). Here:
   results/profile_update_scan_stack.json);
 * bands ``b >= 2`` run **the banded walk** (:func:`_band_scan_kernel`): one lane per column walks
   its chunk from ``b`` rows above to ``2b - 1`` below, solving each vertex's ``b x b`` window
-  twice (Algorithm 3's cut test, then the truncated factor) with ``solve``'s functions, and
-  reads other chunks' rows from the halo kernel's copies. Band 4 of the LM set takes 4.9x
-  AdamW's device time on an H200 (5.0x with the halo rows gathered by XLA), against XLA's 11.7x
-  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json), and 4.1x on an
-  H100 (results/profile_update_band4_acc.json). Not the bytes bound it: on a 1024 x 1024
-  tensor's launch the walk holds 127 registers per thread, its grid fills 0.48 of a wave (12%
-  occupancy), and the DRAM runs at 27% of its peak while each warp waits 3.5 cycles per
-  instruction on the walk's dependent arithmetic (results/ncu_band4_h100.json);
+  with ``solve``'s functions for Algorithm 3's cut test, and once more, truncated, only where a
+  vertex of its window cut the chain (in a row of the program); it reads other chunks' rows from
+  the halo kernel's copies. Band 4 of the LM set takes 4.9x AdamW's device time on an H200
+  (5.0x with the halo rows gathered by XLA), against XLA's 11.7x
+  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json), and 3.9x on an
+  H100 (4.1x solving every window twice; results/profile_update_band4_reuse_solve.json). Not
+  the bytes bound it: on a 1024 x 1024 tensor's launch the walk holds 127 registers per thread,
+  its grid fills 0.48 of a wave (12% occupancy), and the DRAM runs at 27% of its peak while
+  each warp waits 3.5 cycles per instruction on the walk's dependent arithmetic
+  (results/ncu_band4_h100.json; its ~500 instructions per row: results/ncu_band4_sass_h100.json);
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``;
@@ -615,7 +617,13 @@ def _band_scan_kernel(
       last entries of ``C`` that vertex ``t - b``'s window needs;
     * Algorithm 3's cut test of vertex ``t - b`` on its full window (``solve.window_cut``);
     * the truncated factor of vertex ``i = t - 2b + 1``, whose window's cuts are now all known
-      (``solve.truncated_factor``), and its ``z_i = D_ii (w_i + sum_p L_{i+1+p,i} w_{i+1+p})``;
+      (``solve.truncated_factor``), and its ``z_i = D_ii (w_i + sum_p L_{i+1+p,i} w_{i+1+p})``.
+      Where no lane of the program has a cut in its window, the truncated solve is the full
+      one (the masks are exact ones): the walk queues the last ``b - 1`` full solves and takes
+      vertex ``i``'s (``solve.window_factor``), the truncated solve running under a
+      ``lax.cond`` on the program's largest cut. A repeated gradient with ``|g| >> eps`` (every
+      window singular) takes the second solve in every row; the demo LM's band-4 statistics
+      at step 300 (configs/tiny.gin) cut no edge;
     * ``u_i = s_i (z_i + sum_p L_{i, i-1-p} z_{i-1-p})``, as ``solve.apply``; each factored
       vertex adds its terms to the ``b`` sums of the vertices below it, so the walk carries ``b``
       sums instead of the last ``b`` columns of ``L`` and their ``z``.
