@@ -89,6 +89,31 @@ def test_stable_solve_cuts_degenerate_windows(x64, band):
     np.testing.assert_allclose(np.linalg.inv(X)[kept], H[kept], rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.parametrize("band", [2, 4])
+def test_truncated_factor_without_cuts_is_the_full_solve_bit_for_bit(band):
+    """Where no vertex of a window cuts, the truncated solve's masks are exact ones: its factor is
+    the full window solve's, bit for bit (the banded kernel takes it from the cut test's solve);
+    a cut changes it."""
+    rng = np.random.default_rng(3)
+    n = 64
+    G = rng.normal(size=(n, 3 * band)).astype(np.float32)
+    H = G @ G.T * (np.abs(np.subtract.outer(np.arange(n), np.arange(n))) <= band)
+    rho = [
+        jnp.asarray(np.diagonal(H, k) / np.sqrt(np.diag(H)[k:] * np.diag(H)[:-k]))
+        for k in range(1, band + 1)
+    ]
+    rows = [[r[1 + p : 1 + p + n - 2 * band] for r in rho[: band - 1 - p]] for p in range(band)]
+    rhs = [r[: n - 2 * band] for r in rho]
+    schur, x, _ = sonew_solve.window_solve(rows, rhs)
+    full = sonew_solve.window_factor(schur, x)
+    zeros = [jnp.zeros_like(schur)] * band
+    truncated = sonew_solve.truncated_factor(rows, rhs, zeros)
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(truncated), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    cut = sonew_solve.truncated_factor(rows, rhs, [jnp.ones_like(schur), *zeros[1:]])
+    assert not np.array_equal(np.asarray(cut[1]), np.asarray(full[1]))
+
+
 SHAPES = {"v": (7,), "w": (5, 3), "t": (3, 5, 3), "q": (3, 1, 5, 3)}
 
 
