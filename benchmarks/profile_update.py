@@ -242,9 +242,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=GRAD_STD,
         help="standard deviation of the random gradient every step applies. At the default, "
         "sonew's eps (1e-8) keeps the repeated gradient's rank-one statistics regular: no "
-        "band >= 2 window cuts the chain (nor did the demo LM's at step 300). At 1 every window is "
-        "singular and "
-        "Algorithm 3 cuts every edge: the banded kernel's slow path (solve.truncated_factor)",
+        "band >= 2 window cuts the chain (nor did the demo LM's at step 300). At 1 every window "
+        "is singular and Algorithm 3 cuts every edge: the banded kernel's slow path "
+        "(solve.truncated_factor)",
     )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
