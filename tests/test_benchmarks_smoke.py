@@ -24,7 +24,7 @@ import update_speed
 
 from sonew_pax.optim import fused
 
-TINY = ["--scale", "0.03125", "--layers", "1"]
+TINY = ["--scale", "0.0078125", "--layers", "1"]
 
 
 def _finite(x) -> bool:
@@ -250,10 +250,23 @@ def test_profile_update_band1_tiles(tmp_path):
     assert fused.TILES[1] == default
 
 
-def test_profile_update_band1_kernels(tmp_path):
-    """Rows per (kernel, tile, stack); the kernel, both default tiles and the stack are
-    restored."""
+def _stub_row(name: str) -> dict:
+    """A row as ``profile_update.profile_optimizer`` returns it, for tests of what surrounds it."""
+    return dict(optimizer=name, wall_ms=1.0, busy_ms=0.0, idle_ms=1.0, kernels=0, families=[])
+
+
+def test_profile_update_band1_kernels(tmp_path, monkeypatch):
+    """Rows per (kernel, tile, stack), each profiled under its kernel, tile and stack; the
+    kernel, both default tiles and the stack are restored. (The profiling itself is a stub here:
+    test_profile_update_schema runs it, and interpreting both band-1 kernels took 75 s.)"""
     saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK
+    seen = []
+
+    def stub(name, *args):
+        seen.append((fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK))
+        return _stub_row(name)
+
+    monkeypatch.setattr(profile_update, "profile_optimizer", stub)
     argv = ["--optimizers", "sonew_tridiag_pallas", "--warmup", "0", "--iters", "1", *TINY]
     argv += ["--band1_kernels", "tile,scan", "--band1_tiles", "8x64x2", "--scan_stacks", "2"]
     out = tmp_path / "p.json"
@@ -262,6 +275,8 @@ def test_profile_update_band1_kernels(tmp_path):
         "sonew_tridiag_pallas@tile:8x64x2:s2",
         "sonew_tridiag_pallas@scan:8x64x2:s2",
     ]
+    tile = (8, 64, 2)
+    assert seen == [("tile", tile, saved[2], 2), ("scan", saved[1], tile, 2)]
     assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK) == saved
     for bad in (["--band1_kernels", "tile,rows"], ["--scan_stacks", "3"], ["--scan_stacks", "x"]):
         with pytest.raises(SystemExit):
@@ -273,13 +288,12 @@ def test_profile_update_sets_fused_constants(tmp_path, monkeypatch):
     after; a name that is not a constant of fused, or a value of another type, is refused."""
     saved = fused.BANDED_TILE, fused._BANDED_MIN_ROWS
     seen = []
-    profile = profile_update.profile_optimizer
 
-    def spy(*args):
+    def stub(name, *args):  # the profiling itself: test_profile_update_schema
         seen.append((fused.BANDED_TILE, fused._BANDED_MIN_ROWS))
-        return profile(*args)
+        return _stub_row(name)
 
-    monkeypatch.setattr(profile_update, "profile_optimizer", spy)
+    monkeypatch.setattr(profile_update, "profile_optimizer", stub)
     argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
     argv += ["--fused", "_BANDED_MIN_ROWS=16", "--fused", "BANDED_TILE=(64, 64, 2)"]
     out = tmp_path / "p.json"

@@ -183,9 +183,9 @@ def _on_banded_kernel(shapes, band):
     return {s for s in shapes.values() if fused.supported(ChainLayout.unsharded(s), band)}
 
 
-@pytest.mark.parametrize(
-    "band, graft", [(2, "adam"), (2, "none"), (3, "adam"), (4, "adam"), (4, "none")]
-)
+# Without grafting the kernels skip the norms whatever the band: band 2 covers it (band 4's case
+# took 34 s of CI).
+@pytest.mark.parametrize("band, graft", [(2, "adam"), (2, "none"), (3, "adam"), (4, "adam")])
 def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     """Bands 2 to 4 through hostile steps: ``equal`` gradients make every window singular, so
     Algorithm 3 cuts every edge, and the steps after it solve windows near the tolerance."""
