@@ -35,7 +35,10 @@ def test_finite_on_hostile_gradients(band):
     """Zero, identical-neighbour, rank-deficient first steps, 1e-30, 1e18 and bf16 gradients."""
     tx = sonew(1e-2, band=band, precondition_1d=True)
     update = jax.jit(tx.update)
-    for kind in ["zero", "identical", "normal", "tiny", "huge", "bf16"]:
+    kinds = ["zero", "identical", "normal", "tiny", "huge", "bf16"]
+    # bf16 parameters take the same solve whatever the band; band 10's second compile for them
+    # took about 25 s of CI.
+    for kind in kinds[:-1] if band == 10 else kinds:
         params = jax.tree.map(
             lambda p, k=kind: p.astype(jnp.bfloat16 if k == "bf16" else jnp.float32), PARAMS
         )
