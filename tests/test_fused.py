@@ -339,15 +339,19 @@ def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
         tx = make(implementation)
         params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
 
+        # The steps under one scan: the kernels are traced and compiled once, not per step.
+        steps = jax.tree.map(lambda *g: jnp.stack(g), *_trajectory(shapes, ["normal"] * 3))
+
+        def step(carry, grads):
+            p, state = carry
+            updates, state = tx.update(grads, state, p)
+            return (optax.apply_updates(p, updates), state), None
+
         def one(lr, eps):
             state = tx.init(params)
             state.hyperparams["learning_rate"] = lr
             state.hyperparams["eps"] = eps
-            p = params
-            for grads in _trajectory(shapes, ["normal"] * 3):
-                updates, state = tx.update(grads, state, p)
-                p = optax.apply_updates(p, updates)
-            return p
+            return jax.lax.scan(step, (params, state), steps)[0][0]
 
         return jax.jit(jax.vmap(one))(lrs, epss)
 
