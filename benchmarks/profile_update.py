@@ -46,7 +46,6 @@ from sonew_pax.optim import fused
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
 COLUMNS = ("optimizer", "wall_ms", "busy_ms", "idle_ms", "kernels")
 FAMILY_COLUMNS = ("name", "ms", "count")
-GRAD_STD = 1e-3  # update_speed.py's
 
 
 def device_kernels(trace: dict) -> list[tuple[str, float]]:
@@ -239,7 +238,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--grad_std",
         type=float,
-        default=GRAD_STD,
+        default=update_speed.GRAD_STD,
         help="standard deviation of the random gradient every step applies. At the default, "
         "sonew's eps (1e-8) keeps the repeated gradient's rank-one statistics regular: no "
         "band >= 2 window cuts the chain (nor did the demo LM's at step 300). At 1 every window "

@@ -99,6 +99,8 @@ COLUMNS = (
     "busy_ratio_vs_adamw",
 )
 LEARNING_RATE = 1e-4
+# The random gradient every step applies: N(0, GRAD_STD).
+GRAD_STD = 1e-3
 WEIGHT_DECAY = 0.1
 
 
@@ -278,7 +280,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     shapes = lm_shapes.from_args(args)
     n = lm_shapes.count(shapes)
-    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=GRAD_STD)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
     rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None, None), n)]
     for name in names:

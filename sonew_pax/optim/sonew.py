@@ -190,7 +190,7 @@ def _banded_step(
     else:
         m, d = pointwise.moments(raw, hyper)
         successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
-        e_new = hyper.b2 * e.astype(raw.d.dtype) + (1 - hyper.b2) * raw.g * successors
+        e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g, successors, hyper)
         u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
         step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
     grafting = norms([step.adam, step.u], layout) if hyper.graft == "adam" else None
