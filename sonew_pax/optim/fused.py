@@ -75,8 +75,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sonew_pax.optim import pointwise, solve
+from sonew_pax.optim import fma, pointwise, solve
 from sonew_pax.optim.chain import ChainLayout
+from sonew_pax.optim.fma import madd
 
 # (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
 # of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
@@ -127,6 +128,14 @@ _BANDED_MIN_ROWS = 32
 # 100 epochs in 6.36 s against 7.91), band 10's lost (36.2 s against 18.9, after minutes of
 # compiling; results/autoencoder_band10_pallas.json). Wider bands stay on XLA.
 MAX_KERNEL_BAND = 4
+# Whether the banded walk's multiply-adds (``fma.madd``) are fused, one rounding each (``fma``;
+# the interpreter computes them as written whatever this says). On an H100 the LM set's band-4
+# update took 13.39 ms of device time fused against 13.60 (results/profile_update_fma.json,
+# results/profile_update_fma_off.json). The other kernels stay unfused: fused, the band-1 scan's
+# update took 5.37 ms against 5.01 (its 4M-element launches 12% longer; unlike the walk's one
+# element per thread, its blocks hold four, whose loads and stores the one-element assembly may
+# no longer vectorise: not measured).
+FMA = True
 _MAX_SIZE = 2**31 - 1
 # The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
 # all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
@@ -440,7 +449,7 @@ def _running_pair(pair, x, valid):
     new = jnp.maximum(scale, x)
     inverse = 1 / new
     ratio, scaled = scale * inverse, x * inverse
-    return new, total * ratio * ratio + scaled * scaled
+    return new, madd(scaled, scaled, total * ratio * ratio)
 
 
 def _scan_kernel(
@@ -749,7 +758,7 @@ def _band_scan_kernel(
         )
         y = w_q[0]
         for p in range(b):
-            y = y + lower[p] * w_q[1 + p]
+            y = madd(lower[p], w_q[1 + p], y)
         z = diag * y
         # acc_q[n]: sum_p L_{i+n, i+n-1-p} z_{i+n-1-p} over the vertices factored so far.
         u = s_q[0] * (acc_q[0] + z)
@@ -768,7 +777,7 @@ def _band_scan_kernel(
             (*(tuple(x) for x in rho_q[1:]), (zero,) * b),
             (*solved_q[1:], (schur, tuple(solution))),
             (*cut_q[1:], cut),
-            tuple(acc + lp * z for acc, lp in zip((*acc_q[1:], zero), lower, strict=True)),
+            tuple(madd(lp, z, acc) for acc, lp in zip((*acc_q[1:], zero), lower, strict=True)),
             pairs,
         )
 
@@ -995,6 +1004,7 @@ def group_update(
         apply_config,
         len(extra),
         count,
+        FMA and kernel == "band" and not interpret,
     )
     outputs = step(*inputs)
     per = len(outputs) // count
@@ -1010,13 +1020,25 @@ def group_update(
 
 @functools.cache
 def _step_call(
-    shape, band, graft, tile, state_dtypes, kernel, walks, interpret, apply, halo_inputs, count=1
+    shape,
+    band,
+    graft,
+    tile,
+    state_dtypes,
+    kernel,
+    walks,
+    interpret,
+    apply,
+    halo_inputs,
+    count=1,
+    contract=False,
 ) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` with ``walks = (stack, ahead)``:
     ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
     for one static configuration (with the fused apply when ``apply`` is the parameters' ``(dtype,
     decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
-    parameters; ``count``: tensors per launch, :func:`group_update`), jitted and cached: the
+    parameters; ``count``: tensors per launch, :func:`group_update`; ``contract``: whether the
+    kernel's ``fma.madd`` are fused multiply-adds, ``FMA``), jitted and cached: the
     tensors of one shape then call one jitted function, which JAX lowers to Triton once per
     program instead of once per tensor, and whose Triton module the program holds once (the LM
     set's update, exported for CUDA on a CPU: 3.5 s of lowering and 2.4 MB of MLIR instead of
@@ -1052,7 +1074,15 @@ def _step_call(
         body, name = _step_kernel, f"sonew_band{band}_step"
         static.update(band=band, interpret=interpret)
     step = pl.pallas_call(
-        _bind(_per_tensor, name, body=body, count=count, inputs=inputs, static=static),
+        _bind(
+            _per_tensor,
+            name,
+            contract=contract,
+            body=body,
+            count=count,
+            inputs=inputs,
+            static=static,
+        ),
         grid=grid if count == 1 else (*grid, count),
         out_shape=outputs * count,
         input_output_aliases=aliases,
@@ -1084,11 +1114,13 @@ def _per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict)
             body(scalars_ref, *mine, *out, program=program, **static)
 
 
-def _bind(kernel, name: str, **static):
-    """``kernel`` with its static arguments bound, under ``name`` (as Pallas reports it)."""
+def _bind(kernel, name: str, contract: bool = False, **static):
+    """``kernel`` with its static arguments bound, under ``name`` (as Pallas reports it), traced
+    within ``fma.contracted(contract)``."""
 
     def bound(*refs):
-        kernel(*refs, **static)
+        with fma.contracted(contract):
+            kernel(*refs, **static)
 
     bound.__name__ = name
     return bound

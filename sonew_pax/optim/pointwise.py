@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from sonew_pax.optim import solve
+from sonew_pax.optim.fma import madd
 
 
 class Hyper(NamedTuple):
@@ -63,8 +64,8 @@ def _factors(corrections) -> tuple[Any, Any]:
 
 def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
     """The updated first and diagonal moments ``(m, d)`` before bias correction (``d``'s dtype)."""
-    m = hyper.b1 * raw.m.astype(raw.d.dtype) + (1 - hyper.b1) * raw.g
-    d = hyper.b2 * raw.d + (1 - hyper.b2) * jnp.square(raw.g)
+    m = madd(hyper.b1, raw.m.astype(raw.d.dtype), (1 - hyper.b1) * raw.g)
+    d = madd(hyper.b2, raw.d, (1 - hyper.b2) * jnp.square(raw.g))
     return m, d
 
 
@@ -103,13 +104,13 @@ def vertex_of_moments(
 ) -> Vertex:
     """The :class:`Vertex` of one position from its gradient and new moments (:func:`moments`)."""
     c1, c2 = _factors(corrections)
-    scale = solve.unit_scale(d * c2 + hyper.eps)
+    scale = solve.unit_scale(madd(d, c2, hyper.eps))
     return Vertex(g, m, d, scale, scale * (m * c1))
 
 
 def edge_statistic(e_old: jax.Array, g_a: jax.Array, g_b: jax.Array, hyper: Hyper) -> jax.Array:
     """The new statistic ``e`` of the edge between positions with gradients ``g_a`` and ``g_b``."""
-    return hyper.b2 * e_old + (1 - hyper.b2) * g_a * g_b
+    return madd(hyper.b2, e_old, (1 - hyper.b2) * g_a * g_b)
 
 
 def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
@@ -184,4 +185,4 @@ def apply_update(p: jax.Array, u: jax.Array, ratio: Any, decay: Any, scale: Any)
     """The parameter after one step, ``p + (ratio u + decay p) scale``: what
     ``optax.apply_updates`` makes of ``sonew``'s update (the grafted direction ``ratio u``,
     decoupled weight decay ``decay``, ``scale = -lr``), for the fused apply."""
-    return p + (ratio * u + decay * p) * scale
+    return madd(madd(ratio, u, decay * p), scale, p)

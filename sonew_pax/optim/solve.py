@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from sonew_pax.optim.chain import ChainLayout, shift
+from sonew_pax.optim.fma import subtract_products
 
 
 class BandedFactor(NamedTuple):
@@ -88,39 +89,33 @@ def window_solve(
       smallest Cholesky pivot of ``A`` (the smallest Schur complement within the window). A window
       that is not positive definite gives non-finite values (inverse square roots of negative
       pivots). The factorisation keeps ``1 / G_pp`` (one ``rsqrt`` per pivot) and multiplies by
-      it: no divisions, which dominate the cost of the elementwise solve on a GPU.
+      it: no divisions, which dominate the cost of the elementwise solve on a GPU. Every sum is
+      ``fma.subtract_products``: a chain of fused multiply-adds in the kernels.
     """
     b = len(rhs)
     upper = lambda p, q: rows[p][q - p - 1]  # noqa: E731  A[p, q] for p < q
+    like = rhs[0]
     # Cholesky A = G G^T, G lower triangular: g[q][p] = G[q, p] for p < q, inverse[p] = 1 / G[p, p].
     g: list[list[jax.Array]] = [[None] * b for _ in range(b)]  # type: ignore[list-item]
     inverse: list[jax.Array] = []
-    smallest = jnp.ones_like(rhs[0])
+    smallest = jnp.ones_like(like)
     for p in range(b):
-        pivot = 1 - _sum([g[p][k] ** 2 for k in range(p)], rhs[0])
+        pivot = subtract_products(1, [(g[p][k], g[p][k]) for k in range(p)], like)
         smallest = jnp.minimum(smallest, pivot)
         inverse.append(jax.lax.rsqrt(pivot))
         for q in range(p + 1, b):
-            off = upper(p, q) - _sum([g[q][k] * g[p][k] for k in range(p)], rhs[0])
+            off = subtract_products(upper(p, q), [(g[q][k], g[p][k]) for k in range(p)], like)
             g[q][p] = off * inverse[p]
     z: list[jax.Array] = []
     for p in range(b):
-        z.append((rhs[p] - _sum([g[p][k] * z[k] for k in range(p)], rhs[0])) * inverse[p])
-    schur = 1 - _sum([zp**2 for zp in z], rhs[0])
+        terms = [(g[p][k], z[k]) for k in range(p)]
+        z.append(subtract_products(rhs[p], terms, like) * inverse[p])
+    schur = subtract_products(1, [(zp, zp) for zp in z], like)
     x: list[jax.Array] = [None] * b  # type: ignore[list-item]
     for p in reversed(range(b)):
-        x[p] = (z[p] - _sum([g[q][p] * x[q] for q in range(p + 1, b)], rhs[0])) * inverse[p]
+        terms = [(g[q][p], x[q]) for q in range(p + 1, b)]
+        x[p] = subtract_products(z[p], terms, like) * inverse[p]
     return schur, x, smallest
-
-
-def _sum(terms: list[jax.Array], like: jax.Array) -> jax.Array:
-    """``terms[0] + terms[1] + ...`` in order; zeros like ``like`` when there are none."""
-    if not terms:
-        return jnp.zeros_like(like)
-    total = terms[0]
-    for term in terms[1:]:
-        total = total + term
-    return total
 
 
 def _windows(rho: jax.Array, layout: ChainLayout) -> list[list[jax.Array]]:
