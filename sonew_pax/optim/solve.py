@@ -88,33 +88,41 @@ def window_solve(
       ``(schur, x, pivot)`` with ``schur = 1 - c^T A^{-1} c``, ``x = A^{-1} c`` and ``pivot`` the
       smallest Cholesky pivot of ``A`` (the smallest Schur complement within the window). A window
       that is not positive definite gives non-finite values (inverse square roots of negative
-      pivots). The factorisation keeps ``1 / G_pp`` (one ``rsqrt`` per pivot) and multiplies by
-      it: no divisions, which dominate the cost of the elementwise solve on a GPU. Every sum is
-      ``fma.subtract_products``: a chain of fused multiply-adds in the kernels.
+      pivots). The factorisation keeps ``1 / G_pp`` (one ``rsqrt`` per pivot after the first,
+      which is 1) and multiplies by it: no divisions, which dominate the cost of the elementwise
+      solve on a GPU. Every sum is ``fma.subtract_products``: a chain of fused multiply-adds in
+      the kernels.
     """
     b = len(rhs)
     upper = lambda p, q: rows[p][q - p - 1]  # noqa: E731  A[p, q] for p < q
     like = rhs[0]
     # Cholesky A = G G^T, G lower triangular: g[q][p] = G[q, p] for p < q, inverse[p] = 1 / G[p, p].
+    # A's unit diagonal makes the first pivot 1 (G_00 = 1): no rsqrt, no scaling by it.
     g: list[list[jax.Array]] = [[None] * b for _ in range(b)]  # type: ignore[list-item]
-    inverse: list[jax.Array] = []
+    inverse: list[jax.Array] = [None]  # type: ignore[list-item]
     smallest = jnp.ones_like(like)
+
+    def over_pivot(v, p):
+        """``v / G_pp``."""
+        return v * inverse[p] if p else v
+
     for p in range(b):
-        pivot = subtract_products(1, [(g[p][k], g[p][k]) for k in range(p)], like)
-        smallest = jnp.minimum(smallest, pivot)
-        inverse.append(jax.lax.rsqrt(pivot))
+        if p:
+            pivot = subtract_products(1, [(g[p][k], g[p][k]) for k in range(p)], like)
+            smallest = jnp.minimum(smallest, pivot)
+            inverse.append(jax.lax.rsqrt(pivot))
         for q in range(p + 1, b):
             off = subtract_products(upper(p, q), [(g[q][k], g[p][k]) for k in range(p)], like)
-            g[q][p] = off * inverse[p]
+            g[q][p] = over_pivot(off, p)
     z: list[jax.Array] = []
     for p in range(b):
         terms = [(g[p][k], z[k]) for k in range(p)]
-        z.append(subtract_products(rhs[p], terms, like) * inverse[p])
+        z.append(over_pivot(subtract_products(rhs[p], terms, like), p))
     schur = subtract_products(1, [(zp, zp) for zp in z], like)
     x: list[jax.Array] = [None] * b  # type: ignore[list-item]
     for p in reversed(range(b)):
         terms = [(g[q][p], x[q]) for q in range(p + 1, b)]
-        x[p] = subtract_products(z[p], terms, like) * inverse[p]
+        x[p] = over_pivot(subtract_products(z[p], terms, like), p)
     return schur, x, smallest
 
 
