@@ -32,12 +32,14 @@ to copy). Here:
   vertex of its window cut the chain (in a row of the program); it reads other chunks' rows from
   the halo kernel's copies. Band 4 of the LM set takes 4.9x AdamW's device time on an H200
   (5.0x with the halo rows gathered by XLA), against XLA's 11.7x
-  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json), and 3.9x on an
-  H100 (4.1x solving every window twice; results/profile_update_band4_reuse_solve.json). Not
-  the bytes bound it: on a 1024 x 1024 tensor's launch the walk holds 127 registers per thread,
-  its grid fills 0.48 of a wave (12% occupancy), and the DRAM runs at 27% of its peak while
-  each warp waits 3.5 cycles per instruction on the walk's dependent arithmetic
-  (results/ncu_band4_h100.json; its ~500 instructions per row: results/ncu_band4_sass_h100.json);
+  (results/update_speed_band_halo.json, results/update_speed_band4_kernel.json), and 3.85x on
+  an H100 (results/update_speed_v16_h100.json; 3.9x without fused multiply-adds, :data:`FMA`;
+  4.1x solving every window twice, results/profile_update_band4_reuse_solve.json). Not the
+  bytes bound it: on a 1024 x 1024 tensor's launch the walk holds 128 registers per thread, its
+  grid fills 0.48 of a wave (12% occupancy), and the DRAM runs at 27% of its peak while each
+  warp waits 3.5 cycles per instruction on the walk's dependent arithmetic
+  (results/ncu_band4_h100.json; its ~500 instructions per row, a third of them integer:
+  addresses, masks and moves; results/ncu_band4_sass_h100.json, results/ncu_band4_fma_h100.json);
 * **XLA** then merges the tiles' norm pairs (``sonew._graft_ratios``, a few reductions for all
   tensors of a shape) and computes ``u * ||adam|| / ||u||``, fused with weight decay, the
   learning rate and ``optax.apply_updates``;

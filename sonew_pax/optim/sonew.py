@@ -437,7 +437,7 @@ def scale_by_sonew(
       implementation: ``"auto"`` (default): on GPU, the step of every tensor that lives whole on
         its device as Pallas (Triton) kernels that update the state in place (``fused.py``; on an
         H100 tridiag's update of the LM set with ``graft_lag`` takes 1.44x AdamW's device time,
-        where XLA's tridiag takes 3.1x; band 4's 3.9x, on an H200 XLA's 11.7x;
+        where XLA's tridiag takes 3.1x; band 4's 3.85x, on an H200 XLA's 11.7x;
         ``benchmarks/README.md``), when ``mesh`` is given or the process has one device (without a
         mesh, several devices' arrays may be sharded by the caller's ``jit``, which cannot
         partition a kernel); XLA elsewhere: for sharded tensors, bands above
