@@ -44,8 +44,7 @@ def contracted(enabled: bool = True) -> Iterator[None]:
 
 def madd(a, b, c) -> jax.Array:
     """``a * b + c``: as written, or rounded once within :func:`contracted`."""
-    dtype = jnp.result_type(a, b, c)
-    if not _CONTRACTED.get() or dtype not in _PTX:
+    if not _CONTRACTED.get() or (dtype := jnp.result_type(a, b, c)) not in _PTX:
         return a * b + c
     asm, constraints = _PTX[dtype]
     args = jnp.broadcast_arrays(*(jnp.asarray(x, dtype) for x in (a, b, c)))
