@@ -256,7 +256,7 @@ def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
     assert set(banded_spy) == {(41, 70), (9, 4, 5)}
 
 
-@pytest.mark.parametrize("band, graft_lag", [(0, False), (1, False), (1, True)])
+@pytest.mark.parametrize("band, graft_lag", [(0, False), (1, False), (1, True), (2, True)])
 def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monkeypatch):
     """Same-shaped tensors of one dtype (and, for the fused apply, one ``decayed``) run in
     launches of up to ``fused.launch_group`` tensors (2 here), each tensor's kernel on its own
@@ -264,6 +264,7 @@ def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monke
     another dtype, shape or (with the fused apply) weight-decay mask launches apart."""
     monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
     monkeypatch.setattr(fused, "_MAX_GROUP", 2)
+    monkeypatch.setattr(fused, "_MAX_BANDED_GROUP", 2)
     launches = []
     group_update = fused.group_update
 
@@ -556,6 +557,11 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     banded = {(1024, 4096): 64, (4096, 1024): 64, (1024, 1024): 32, (70, 130): 32}
     for shape, expect in banded.items():
         assert fused.default_tile(4, shape) == (expect, 128, 4), shape
+    # Four (1024, 1024) tensors a launch fill 512 programs with 64-row chunks.
+    monkeypatch.setattr(fused, "_MAX_BANDED_GROUP", 4)
+    assert fused.launch_group((1024, 1024), 4) == 4 and fused.launch_group((1024, 4096), 4) == 1
+    assert fused.default_tile(4, (1024, 1024)) == (64, 128, 4)
+    monkeypatch.setattr(fused, "_MAX_BANDED_GROUP", 1)
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
     monkeypatch.setattr(fused, "_SCAN_LANES", 2**14)  # the second has 5 x 2048 lanes at 8 rows
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]

@@ -108,6 +108,13 @@ _SCAN_MIN_WALK = 8
 # ``_MAX_GROUP`` per launch.
 _GROUP_ELEMENTS = 2**22
 _MAX_GROUP = 4
+# Bands >= 2: each tensor of a launch adds a copy of the long walk to the compiled kernel. On an
+# H100 the LM set's band-4 update took 13.03 ms of device time with 2 per launch (its 1M-element
+# tensors in 32-row chunks, 512 programs a launch) against 13.38 with 1, but its profiling
+# process 150 s against 126, most of it compiling; with 4 (64-row chunks) it had not compiled
+# after 236 s (results/profile_update_band4_group2.json, results/profile_update_band4_group1.json).
+# 2.6% of the update does not pay for the compile: one tensor per launch.
+_MAX_BANDED_GROUP = 1
 # Rows the scan loads ahead of the one it computes (their loads in flight while it computes). On
 # an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
 # (results/profile_update_scan_ahead.json): more rows in registers leave room for fewer warps.
@@ -150,12 +157,14 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
     ``TILES[band]``, or for the walking kernels (band 1's scan, bands >= 2) ``SCAN_TILE`` or
     ``BANDED_TILE`` with fewer rows on small tensors (shorter walks: for the scan, until it has
-    ``_SCAN_LANES`` walks times columns; for bands >= 2, ``_BANDED_PROGRAMS`` programs)."""
+    ``_SCAN_LANES`` walks times columns; for bands >= 2, ``_BANDED_PROGRAMS`` programs in a
+    launch of :func:`launch_group` tensors)."""
     num_rows, num_cols = tile_view(shape)
     if band >= 2:
         rows, cols, num_warps = BANDED_TILE
+        tensors = launch_group(shape, band)
         while rows > _BANDED_MIN_ROWS and (
-            pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows) < _BANDED_PROGRAMS
+            tensors * pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows) < _BANDED_PROGRAMS
         ):
             rows //= 2
     elif band == 1 and BAND1_KERNEL == "scan":
@@ -174,11 +183,9 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
 def launch_group(shape: tuple[int, ...], band: int) -> int:
     """How many tensors of ``shape`` :func:`group_update` launches together: enough to reach
     ``_GROUP_ELEMENTS`` elements, at most ``_MAX_GROUP`` (each adds a branch to the compiled
-    kernel); bands >= 2 one (their kernel is long to compile: with 4 band-4 tensors per launch
-    the LM set's update had not compiled after 170 s on an H100)."""
-    if band >= 2:
-        return 1
-    return max(1, min(_MAX_GROUP, _GROUP_ELEMENTS // max(1, math.prod(shape))))
+    kernel); for bands >= 2 at most ``_MAX_BANDED_GROUP`` (their kernel is long to compile)."""
+    limit = _MAX_BANDED_GROUP if band >= 2 else _MAX_GROUP
+    return max(1, min(limit, _GROUP_ELEMENTS // max(1, math.prod(shape))))
 
 
 def launch_key(g: jax.Array, m: jax.Array, d: jax.Array, e: Any, apply: Apply | None) -> tuple:
