@@ -50,7 +50,9 @@ to copy). Here:
 Same-shaped tensors below 4M elements share step launches (:func:`group_update`, up to 4 per
 launch, a branch per tensor): a small tensor's walk waits on its first loads before any row is
 computed, and together they fill the GPU as one larger tensor does (on an H100 the LM set's
-update took 5.03 ms of device time instead of 5.25, results/profile_update_group.json).
+update took 5.03 ms of device time instead of 5.25, results/profile_update_group.json). Bands
+``b >= 2`` launch one tensor at a time by default (``_MAX_BANDED_GROUP``: their walk is long to
+compile).
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
 fused apply), against 28 for a fused AdamW, with a few halo launches per model. The math is
