@@ -575,12 +575,14 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
     whole update (the halo gather of bands >= 1 too) picks the Triton backend, not Mosaic GPU. Two
     tensors of one shape share one lowered kernel (``fused._step_call``): lowering one per tensor
-    took most of the LM set's first step."""
+    took most of the LM set's first step. The banded walk's multiply-adds are PTX ``fma.rn``
+    (``fused.FMA``), the other kernels' not."""
     from jax import export
 
     use_kernel(kernel, stack, ahead)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
+    monkeypatch.setattr(fused, "_ptx", lambda: True)  # an NVIDIA GPU's compile
 
     params = {"mat": jnp.zeros((70, 130)), "mat2": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
@@ -598,4 +600,5 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
         kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
         assert {name for _, name in kernels} == expected
         assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}
+        assert ("fma.rn.f32" in text) == (band >= 2)
         assert [name for _, name in kernels].count(f"sonew_band{band}_{step}") == 1

@@ -4,7 +4,7 @@ The XLA path and Pallas' interpreter compute :func:`madd` as written, ``a * b + 
 kernels, as XLA compiles them, keep every multiply and add apart: band 4's walk ran 181 ``FMUL``
 and 81 ``FADD`` per row and no ``FFMA`` (results/ncu_band4_sass_h100.json), a multiply and an
 add each waiting on the last where one fused instruction would do. Within :func:`contracted`
-(``fused`` traces its banded walk there, off the interpreter) :func:`madd` of float32 or float64
+(``fused`` traces its banded walk there for NVIDIA GPUs) :func:`madd` of float32 or float64
 values is PTX's ``fma.rn`` instead: ``a * b + c`` rounded once. The kernels' results then differ
 from the XLA path's within float rounding (the fused one is the more accurate). ``fused.FMA``
 says which kernels trace within it, and what it gained.

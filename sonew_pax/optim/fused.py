@@ -1015,7 +1015,7 @@ def group_update(
         apply_config,
         len(extra),
         count,
-        FMA and kernel == "band" and not interpret,
+        FMA and kernel == "band" and not interpret and _ptx(),
     )
     outputs = step(*inputs)
     per = len(outputs) // count
@@ -1102,6 +1102,12 @@ def _step_call(
         name=name,
     )
     return jax.jit(step)
+
+
+def _ptx() -> bool:
+    """Whether the kernels compile for NVIDIA GPUs, whose PTX ``fma.madd``'s assembly is (on
+    ROCm's the walk's multiply-adds stay apart)."""
+    return jax.devices()[0].device_kind.startswith("NVIDIA")
 
 
 def _per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) -> None:
