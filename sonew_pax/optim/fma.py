@@ -6,8 +6,8 @@ and 81 ``FADD`` per row and no ``FFMA`` (results/ncu_band4_sass_h100.json), a mu
 add each waiting on the last where one fused instruction would do. Within :func:`contracted`
 (``fused`` traces its banded walk there for NVIDIA GPUs) :func:`madd` of float32 or float64
 values is PTX's ``fma.rn`` instead: ``a * b + c`` rounded once. The kernels' results then differ
-from the XLA path's within float rounding (the fused one is the more accurate). ``fused.FMA``
-says which kernels trace within it, and what it gained.
+from the XLA path's within float rounding. ``fused.FMA`` says which kernels trace within it, and
+what it gained.
 
 :func:`subtract_products` is ``c - sum_k a_k b_k``, the form of every sum in the window solve
 (``solve.window_solve``): a chain of :func:`madd` within :func:`contracted`.
