@@ -42,6 +42,7 @@ import lm_shapes
 import update_speed
 
 from sonew_pax.optim import fused
+from sonew_pax.optim.sonew import DEFAULT_EPS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
 COLUMNS = ("optimizer", "wall_ms", "busy_ms", "idle_ms", "kernels")
@@ -240,9 +241,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=float,
         default=update_speed.GRAD_STD,
         help="standard deviation of the random gradient every step applies. At the default, "
-        "sonew's eps (1e-8) keeps the repeated gradient's rank-one statistics regular: no "
-        "band >= 2 window cuts the chain (nor did the demo LM's at step 300). At 1 every window "
-        "is singular and Algorithm 3 cuts every edge: the banded kernel's slow path "
+        f"sonew's eps ({DEFAULT_EPS:g}) keeps the repeated gradient's rank-one statistics "
+        "regular: no band >= 2 window cuts the chain (nor did the demo LM's at step 300). At 1 "
+        "every window is singular and Algorithm 3 cuts every edge: the banded kernel's slow path "
         "(solve.truncated_factor)",
     )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
