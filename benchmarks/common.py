@@ -71,6 +71,12 @@ def device_name() -> str:
     return getattr(device, "device_kind", device.platform)
 
 
+def xla_flags() -> str | None:
+    """``XLA_FLAGS`` as this process runs under it (``None`` if unset): results record it, since
+    flags such as ``--xla_gpu_command_buffer_scheduling_mode`` change the device's timings."""
+    return os.environ.get("XLA_FLAGS") or None
+
+
 def utc_date() -> str:
     """The current UTC time, ISO 8601 to the second."""
     return datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()

@@ -7,16 +7,20 @@ events back and reports, per step:
 
 * ``wall_ms``: the host's time per step (as ``update_speed.py`` measures it);
 * ``busy_ms``: the sum of kernel durations on the device, and ``kernels``: how many ran;
+* ``span_ms``: the time at least one kernel ran (the union of their intervals): ``busy_ms``
+  where kernels run one after another, less where they overlap (concurrent streams or command
+  buffers, e.g. ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``);
 * ``idle_ms`` = ``wall_ms - busy_ms``: launch gaps and host overhead;
 * ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
   -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_step``
   ...), largest first.
 
 Output: a table per optimizer, and ``--out`` (default ``benchmarks/results/profile_update.json``)
-``{"device", "date", "params", "config", "rows": [{"optimizer", "wall_ms", "busy_ms", "idle_ms",
-"kernels", "families": [{"name", "ms", "count"}]}]}``, all per step. The trace directories stay in
-``--trace_dir`` for Perfetto / TensorBoard. Off GPU the trace has no device lane, so ``busy_ms``
-and ``kernels`` are 0 (the CPU smoke test checks the plumbing only).
+``{"device", "date", "params", "config", "rows": [{"optimizer", "wall_ms", "busy_ms", "span_ms",
+"idle_ms", "kernels", "families": [{"name", "ms", "count"}]}]}``, all per step. The trace
+directories stay in ``--trace_dir`` for Perfetto / TensorBoard. Off GPU the trace has no device
+lane, so ``busy_ms``, ``span_ms`` and ``kernels`` are 0 (the CPU smoke test checks the plumbing
+only).
 
 Usage: ``python benchmarks/profile_update.py --optimizers adamw,sonew_tridiag_pallas``.
 """
@@ -45,12 +49,12 @@ from sonew_pax.optim import fused
 from sonew_pax.optim.sonew import DEFAULT_EPS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
-COLUMNS = ("optimizer", "wall_ms", "busy_ms", "idle_ms", "kernels")
+COLUMNS = ("optimizer", "wall_ms", "busy_ms", "span_ms", "idle_ms", "kernels")
 FAMILY_COLUMNS = ("name", "ms", "count")
 
 
-def device_kernels(trace: dict) -> list[tuple[str, float]]:
-    """``(name, microseconds)`` of every complete event on a device lane of a Perfetto trace.
+def device_events(trace: dict) -> list[dict]:
+    """Every complete event on a device lane of a Perfetto trace.
 
     Device lanes are the processes named ``/device:...`` (``/device:GPU:0``); the host's are
     ``/host:...``. Events without a duration (instants, counters, metadata) are skipped.
@@ -63,11 +67,24 @@ def device_kernels(trace: dict) -> list[tuple[str, float]]:
         and e.get("name") == "process_name"
         and str(e.get("args", {}).get("name", "")).startswith("/device:")
     }
-    return [
-        (e["name"], float(e["dur"]))
-        for e in events
-        if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e
-    ]
+    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+
+
+def device_kernels(trace: dict) -> list[tuple[str, float]]:
+    """``(name, microseconds)`` of every :func:`device_events` event."""
+    return [(e["name"], float(e["dur"])) for e in device_events(trace)]
+
+
+def device_span(trace: dict) -> float:
+    """Microseconds in which at least one :func:`device_events` event ran: the length of the
+    union of their ``[ts, ts + dur]`` intervals."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device_events(trace)
+    ):
+        total += max(0.0, stop - max(start, end))
+        end = max(end, stop)
+    return total
 
 
 def family(name: str) -> str:
@@ -104,7 +121,8 @@ def read_trace(directory: Path) -> dict:
 def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple[dict, object]:
     """``iters`` blocking calls ``carry = step(carry)`` under the profiler (the trace kept in
     ``directory``; without one, in a temporary directory removed after reading): returns
-    ``({"wall_ms", "idle_ms", "busy_ms", "kernels", "families"}, carry)``, all per step."""
+    ``({"wall_ms", "idle_ms", "busy_ms", "span_ms", "kernels", "families"}, carry)``, all per
+    step."""
     if directory is None:
         with tempfile.TemporaryDirectory() as tmp:
             return trace_steps(step, carry, iters, Path(tmp))
@@ -113,7 +131,9 @@ def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple
         for _ in range(iters):
             carry = jax.block_until_ready(step(carry))
         wall_ms = 1e3 * (time.perf_counter() - start) / iters
-    summary = summarize(device_kernels(read_trace(directory)), iters)
+    trace = read_trace(directory)
+    summary = summarize(device_kernels(trace), iters)
+    summary["span_ms"] = device_span(trace) / 1e3 / iters
     return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["busy_ms"], **summary}, carry
 
 
@@ -266,7 +286,10 @@ def main(argv=None) -> dict:
         "device": common.device_name(),
         "date": common.utc_date(),
         "params": lm_shapes.count(shapes),
-        "config": {k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers", "grad_std")},
+        "config": {
+            **{k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers", "grad_std")},
+            "xla_flags": common.xla_flags(),
+        },
         "rows": [],
     }
     if args.fused:

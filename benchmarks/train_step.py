@@ -22,6 +22,7 @@ Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 "pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s",
 "loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch);
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
+``span_ms`` (the time at least one kernel ran: less than ``busy_ms`` where kernels overlap),
 ``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
 (``profile_update.py``; ``results/train_step_families.json`` keeps them all: ``--profile_families
 400``).
@@ -165,6 +166,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
             summary, carry = profile_update.trace_steps(step, carry, args.profile_steps)
             profile = {
                 "busy_ms": summary["busy_ms"],
+                "span_ms": summary["span_ms"],
                 "kernels": summary["kernels"],
                 "families": summary["families"][: args.profile_families],
             }
@@ -316,6 +318,7 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "unsharded_optimizer": args.unsharded_optimizer,
             "isolated": not args.no_isolate,
             "jax": jax.__version__,
+            "xla_flags": common.xla_flags(),
         },
         "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
     }

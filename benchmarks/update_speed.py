@@ -22,13 +22,17 @@ Time to ``block_until_ready`` includes the host's dispatch of the update (argume
 the same few milliseconds for every optimizer of this set. ``--profile_steps N`` also traces N
 steps per optimizer with ``jax.profiler`` and reports the device's kernel time per step
 (``busy_ms``, ``profile_update.py``'s measure) and its ratio to AdamW's: the update's cost on the
-device, which in a training loop the next step's dispatch overlaps.
+device, which in a training loop the next step's dispatch overlaps; and ``span_ms``, the time at
+least one kernel ran, which is ``busy_ms`` when the kernels run one at a time and less where they
+overlap (``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``; the JSON's config
+records ``XLA_FLAGS``).
 
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
 "floor_ratio", "bytes_per_param", "ms_min", "pipelined_ms", "pipelined_ratio_vs_adamw",
-"dispatch_ms", "busy_ms", "busy_ratio_vs_adamw"}]}`` (the pipelined pair and ``dispatch_ms`` null
-for ``copy``, the busy pair also without ``--profile_steps``).
+"dispatch_ms", "busy_ms", "busy_ratio_vs_adamw", "span_ms", "span_ratio_vs_adamw"}]}`` (the
+pipelined pair and ``dispatch_ms`` null for ``copy``, the busy and span pairs also without
+``--profile_steps``).
 
 SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
 same optimizer with the Pallas kernels of ``sonew_pax/optim/fused.py`` (``sonew``'s default on GPU,
@@ -97,6 +101,8 @@ COLUMNS = (
     "dispatch_ms",
     "busy_ms",
     "busy_ratio_vs_adamw",
+    "span_ms",
+    "span_ratio_vs_adamw",
 )
 LEARNING_RATE = 1e-4
 # The random gradient every step applies: N(0, GRAD_STD).
@@ -160,11 +166,12 @@ class Timing(NamedTuple):
     pipelined_ms: float | None
     dispatch_ms: float | None
     busy_ms: float | None
+    span_ms: float | None
 
 
 def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     """Times ``tx``'s donated update on fresh random parameters; then, with ``profile_steps``,
-    traces that many more steps for the device's kernel time."""
+    traces that many more steps for the device's kernel time and span."""
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
     update, carry = fresh_update(tx, shapes)
 
@@ -174,12 +181,13 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     median, times, carry = common.time_steps(step, carry, args.warmup, args.iters)
     pipelined, carry = common.time_pipelined(step, carry, args.iters)
     dispatch, carry = common.time_dispatch(step, carry, args.iters)
-    busy = None
+    busy = span = None
     if profile_steps:
         import profile_update  # local import: profile_update imports this module
 
-        busy = profile_update.trace_steps(step, carry, profile_steps)[0]["busy_ms"]
-    return Timing(median, min(times), moved, pipelined, dispatch, busy)
+        summary = profile_update.trace_steps(step, carry, profile_steps)[0]
+        busy, span = summary["busy_ms"], summary["span_ms"]
+    return Timing(median, min(times), moved, pipelined, dispatch, busy, span)
 
 
 def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, float]:
@@ -207,6 +215,7 @@ def make_row(name: str, timing: Timing, n: int) -> dict:
         "pipelined_ms": timing.pipelined_ms,
         "dispatch_ms": timing.dispatch_ms,
         "busy_ms": timing.busy_ms,
+        "span_ms": timing.span_ms,
         "_bytes": timing.bytes,
     }
 
@@ -222,7 +231,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         moved = row.pop("_bytes")
         row["ratio_vs_adamw"] = row["ms"] / adamw["ms"] if adamw else None
         row["floor_ratio"] = row["ms"] / (moved / copy_gbps / 1e6)
-        for key in ("pipelined", "busy"):
+        for key in ("pipelined", "busy", "span"):
             pair = (row[f"{key}_ms"], adamw and adamw[f"{key}_ms"])
             row[f"{key}_ratio_vs_adamw"] = pair[0] / pair[1] if all(pair) else None
         out.append(row)
@@ -263,6 +272,7 @@ def build_result(rows: list[dict], n: int, args: argparse.Namespace) -> dict:
             "iters": args.iters,
             "profile_steps": args.profile_steps,
             "jax": jax.__version__,
+            "xla_flags": common.xla_flags(),
         },
         "rows": add_ratios(rows),
     }
@@ -282,7 +292,11 @@ def main(argv=None) -> dict:
     n = lm_shapes.count(shapes)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=GRAD_STD)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
-    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None, None), n)]
+    rows = [
+        make_row(
+            "copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None, None, None), n
+        )
+    ]
     for name in names:
         timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))

@@ -66,8 +66,9 @@ def test_update_speed_schema(tmp_path):
     assert rows["copy"]["pipelined_ms"] is None and rows["copy"]["dispatch_ms"] is None
     # Traced, but the CPU trace has no device lane: 0 ms, so no ratio (profile_update's parser
     # test reads a device lane); copy is never traced.
-    assert rows["adamw"]["busy_ms"] == 0 and rows["adamw"]["busy_ratio_vs_adamw"] is None
-    assert rows["copy"]["busy_ms"] is None
+    for key in ("busy", "span"):
+        assert rows["adamw"][f"{key}_ms"] == 0 and rows["adamw"][f"{key}_ratio_vs_adamw"] is None
+        assert rows["copy"][f"{key}_ms"] is None
     assert rows["adamw"]["ratio_vs_adamw"] == 1.0
     assert abs(rows["adamw"]["bytes_per_param"] - 28) < 0.01
     assert abs(rows["sonew_tridiag"]["bytes_per_param"] - 36) < 0.1
@@ -128,7 +129,8 @@ def test_train_step_schema(tmp_path):
         assert _finite(row["pipelined_ms"]) and _finite(row["pipelined_ratio_vs_adamw"])
         assert "peak_memory_gib" in row  # None on CPU
         # The trace has no device lane on CPU: the plumbing only (profile_update's test reads one).
-        assert row["busy_ms"] == 0 and row["families"] == [] and row["steps"] == 4
+        assert row["busy_ms"] == row["span_ms"] == 0 and row["families"] == []
+        assert row["steps"] == 4
 
 
 def test_train_step_child_argv_round_trips(tmp_path):
@@ -195,18 +197,21 @@ def test_sharded_update_schema_and_equality(tmp_path):
 
 
 def test_profile_update_reads_device_kernels():
-    """The trace parser keeps only device lanes' complete events and groups XLA's suffixes."""
+    """The trace parser keeps only device lanes' complete events and groups XLA's suffixes; the
+    span counts overlapping kernels' time once."""
     trace = {
         "traceEvents": [
             {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
             {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "X", "pid": 1, "name": "PjitFunction(update)", "dur": 900.0},
-            {"ph": "X", "pid": 7, "name": "loop_add_fusion.3", "dur": 30.0},
-            {"ph": "X", "pid": 7, "name": "loop_add_fusion.12", "dur": 50.0},
-            {"ph": "X", "pid": 7, "name": "sonew_band1_scan", "dur": 120.0},
-            {"ph": "i", "pid": 7, "name": "marker"},
+            {"ph": "X", "pid": 1, "name": "PjitFunction(update)", "ts": 0.0, "dur": 900.0},
+            {"ph": "X", "pid": 7, "name": "loop_add_fusion.3", "ts": 100.0, "dur": 30.0},
+            {"ph": "X", "pid": 7, "name": "loop_add_fusion.12", "ts": 10.0, "dur": 50.0},
+            {"ph": "X", "pid": 7, "name": "sonew_band1_scan", "ts": 20.0, "dur": 120.0},
+            {"ph": "i", "pid": 7, "name": "marker", "ts": 5.0},
         ]
     }
+    # [10, 60] and [100, 130] lie within or overlap [20, 140]: the union is [10, 140].
+    assert profile_update.device_span(trace) == 130.0
     kernels = profile_update.device_kernels(trace)
     assert sorted(kernels) == [
         ("loop_add_fusion.12", 50.0),
