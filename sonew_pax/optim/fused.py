@@ -52,7 +52,12 @@ launch, a branch per tensor): a small tensor's walk waits on its first loads bef
 computed, and together they fill the GPU as one larger tensor does (on an H100 the LM set's
 update took 5.03 ms of device time instead of 5.25, results/profile_update_group.json). Bands
 ``b >= 2`` launch one tensor at a time by default (``_MAX_BANDED_GROUP``: their walk is long to
-compile).
+compile). The launches of different tensors touch different buffers, so XLA may run them at the
+same time: under ``XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
+--xla_gpu_graph_min_graph_size=1"`` the LM set's band-4 update kept an H100 busy 10.78 ms instead
+of 13.32, AdamW's 3.15 instead of 3.41 (the union of the kernels' intervals, ``span_ms``;
+results/profile_update_band4_concurrent.json): 3.42x AdamW's instead of 3.90x. That was one
+profile of three steps; the update table and the train step have not run under it.
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
 fused apply), against 28 for a fused AdamW, with a few halo launches per model. The math is
@@ -115,7 +120,11 @@ _MAX_GROUP = 4
 # tensors in 32-row chunks, 512 programs a launch) against 13.38 with 1, but its profiling
 # process 150 s against 126, most of it compiling; with 4 (64-row chunks) it had not compiled
 # after 236 s (results/profile_update_band4_group2.json, results/profile_update_band4_group1.json).
-# 2.6% of the update does not pay for the compile: one tensor per launch.
+# 2.6% of the update does not pay for the compile: one tensor per launch. With one loop instead of
+# three (a third of the code, below) 4 per launch compiled as fast as 1, and took 9% off that
+# kernel's update, 17.58 -> 15.98 ms, the 4M-element tensors unchanged: that loop costs more than
+# grouping saves (results/profile_update_band4_v17_experiments.json). Launching the tensors'
+# kernels concurrently fills the GPU without copies of the walk: see the module docstring.
 _MAX_BANDED_GROUP = 1
 # Rows the scan loads ahead of the one it computes (their loads in flight while it computes). On
 # an H100 the LM set's update took 6.66 ms of device time with 1, 6.77 with 2 and 7.15 with 3
@@ -130,7 +139,10 @@ SCAN_AHEAD = 1
 # 16 rows were slower. On an H100 (results/profile_update_band4_min_rows.json) 16-row chunks on
 # the 1M-element tensors took 14.64 ms against 14.28 (their halo copies are 11/16 of the state);
 # 64 x 64 x 2 tiles (on which the 1M-element tensors keep 32 rows) 14.12, 1% faster, as close as
-# on the H200: the tile stays.
+# on the H200: the tile stays. Later, on an H100 (results/profile_update_band4_v17_experiments.json,
+# against 13.37-13.40 ms): one warp of 32 columns per program (2048 programs wanted) 15.55, its
+# 1M-element launches 6% faster but its 4M-element ones 37% slower; two columns per thread
+# (64 x 256 x 4) 13.75.
 BANDED_TILE = (64, 128, 4)
 _BANDED_PROGRAMS = 512
 _BANDED_MIN_ROWS = 32
@@ -805,7 +817,10 @@ def _band_scan_kernel(
         ((floor, zero),) * 2,
     )
     # Rows first - b ... last + 2b - 1, in three loops: the middle one loads rows t + 1 whose
-    # values are all the chunk's own (most of the walk), the others choose row by row.
+    # values are all the chunk's own (most of the walk), the others choose row by row. On an H100
+    # (band 4, the LM set) one loop choosing the loads by a lax.cond on t took 17.58 ms against
+    # 13.37; unrolling the middle loop by 2, 15.91 against 13.40: its 4M-element launches 40%
+    # longer (results/profile_update_band4_v17_experiments.json).
     inner, end = first + b - 1, first + rows + 2 * b - 1
     carry = jax.lax.fori_loop(first - b, inner, functools.partial(body, load), init)
     carry = jax.lax.fori_loop(
