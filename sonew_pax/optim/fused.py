@@ -820,7 +820,8 @@ def _band_scan_kernel(
     # values are all the chunk's own (most of the walk), the others choose row by row. On an H100
     # (band 4, the LM set) one loop choosing the loads by a lax.cond on t took 17.58 ms against
     # 13.37; unrolling the middle loop by 2, 15.91 against 13.40: its 4M-element launches 40%
-    # longer (results/profile_update_band4_v17_experiments.json).
+    # longer (results/profile_update_band4_v17_experiments.json; by 2 and 3 at aa5e421:
+    # results/profile_update_band4_unroll.json).
     inner, end = first + b - 1, first + rows + 2 * b - 1
     carry = jax.lax.fori_loop(first - b, inner, functools.partial(body, load), init)
     carry = jax.lax.fori_loop(
