@@ -10,7 +10,7 @@ events back and reports, per step:
 * ``span_ms``: the time at least one kernel ran (the union of their intervals): ``busy_ms``
   where kernels run one after another, less where they overlap (concurrent streams or command
   buffers, e.g. ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``);
-* ``idle_ms`` = ``wall_ms - busy_ms``: launch gaps and host overhead;
+* ``idle_ms`` = ``wall_ms - span_ms``: launch gaps and host overhead;
 * ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
   -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_step``
   ...), largest first.
@@ -134,7 +134,7 @@ def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple
     trace = read_trace(directory)
     summary = summarize(device_kernels(trace), iters)
     summary["span_ms"] = device_span(trace) / 1e3 / iters
-    return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["busy_ms"], **summary}, carry
+    return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["span_ms"], **summary}, carry
 
 
 def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:

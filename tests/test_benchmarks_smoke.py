@@ -236,7 +236,7 @@ def test_profile_update_schema(tmp_path):
     assert set(rows) == {"adamw", "sonew_tridiag"}
     for row in rows.values():
         assert _finite(row["wall_ms"]) and row["wall_ms"] > 0
-        assert row["idle_ms"] == row["wall_ms"] - row["busy_ms"]
+        assert row["idle_ms"] == row["wall_ms"] - row["span_ms"]
     assert list((tmp_path / "traces" / "adamw").glob("**/perfetto_trace.json.gz"))
 
 
