@@ -212,6 +212,9 @@ def test_profile_update_reads_device_kernels():
     }
     # [10, 60] and [100, 130] lie within or overlap [20, 140]: the union is [10, 140].
     assert profile_update.device_span(trace) == 130.0
+    # A kernel after a gap adds its own time only (not the gap).
+    later = {"ph": "X", "pid": 7, "name": "sonew_halo", "ts": 200.0, "dur": 10.0}
+    assert profile_update.device_span({"traceEvents": [*trace["traceEvents"], later]}) == 140.0
     kernels = profile_update.device_kernels(trace)
     assert sorted(kernels) == [
         ("loop_add_fusion.12", 50.0),
