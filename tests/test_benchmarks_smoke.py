@@ -6,6 +6,7 @@ No timing is asserted. The 8 simulated CPU devices come from conftest.py.
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -55,6 +56,8 @@ def test_update_speed_schema(tmp_path):
     argv = [*TINY, "--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "2"]
     argv += ["--profile_steps", "1"]
     written = _read(out, update_speed.main([*argv, "--out", str(out)]))
+    # conftest.py sets XLA_FLAGS (8 CPU devices): the result says what the timings ran under.
+    assert written["config"]["xla_flags"] == os.environ["XLA_FLAGS"]
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == {"copy", "adamw", "sonew_tridiag"}
     for row in rows.values():
