@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 
 CONCURRENT = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_graph_min_graph_size=1"
-ROOT = Path(__file__).resolve().parents[1]
 
 # Writes the parameters after 3 updates of each band to the .npz file named by argv[1].
 UPDATES = """
@@ -49,7 +48,6 @@ def _updates(path: Path, extra_flags: str) -> dict[str, np.ndarray]:
     this process's ``XLA_FLAGS``."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {extra_flags}".strip()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     done = subprocess.run(
         [sys.executable, "-c", UPDATES, str(path)],
         env=env,
