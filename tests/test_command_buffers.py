@@ -5,9 +5,10 @@ kernels of an update at the same time (on an H100 band 4's update kept the devic
 time: benchmarks/README.md, version 17). Every tensor's step kernel overwrites the state that a
 halo kernel read just before, in place, so the result is only right if XLA orders the two by
 their buffers. Two subprocesses run the same jitted, donated updates (bands 1 and 4, the fused
-apply, several tensors of one shape that share launches), one under the flags, and their results
-must be equal bit for bit. On a GPU the kernels run concurrently; on the CPU (the XLA path) the
-flags do nothing, and the test checks that this jax's XLA accepts them.
+apply, several tensors of one shape that share launches, a tensor of several row chunks), one
+under the flags, and their results must be equal bit for bit. On a GPU the kernels run
+concurrently; on the CPU (the XLA path) the flags do nothing, and the test checks that this jax's
+XLA accepts them.
 """
 
 import os
@@ -26,8 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from sonew_pax import optim
+from sonew_pax.optim import fused
 
-shapes = {f"w{k}": (96, 64) for k in range(3)} | {"tall": (256, 32), "bias": (48,)}
+# Band 4's chunks as under the flags (fused.concurrent_launches), in both processes: the same
+# kernels, launched one after another or at once.
+fused.BANDED_TILE, fused._BANDED_PROGRAMS = fused.CONCURRENT_BANDED_TILE, 1
+shapes = {f"w{k}": (96, 64) for k in range(3)} | {"tall": (300, 32), "bias": (48,)}
 rng = np.random.default_rng(0)
 out = {}
 for band in (1, 4):

@@ -561,6 +561,19 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     monkeypatch.setattr(fused, "_MAX_BANDED_GROUP", 4)
     assert fused.launch_group((1024, 1024), 4) == 4 and fused.launch_group((1024, 4096), 4) == 1
     assert fused.default_tile(4, (1024, 1024)) == (64, 128, 4)
+    # Where XLA may launch the tensors' kernels at once, bands >= 2 take CONCURRENT_BANDED_TILE.
+    # The last scheduling flag counts; band 1's scan keeps its tiles.
+    flags = "--xla_force_host_platform_device_count=8 --xla_gpu_command_buffer_scheduling_mode="
+    monkeypatch.setenv("XLA_FLAGS", flags + "SERIALIZE " + flags + "CONCURRENT")
+    assert fused.concurrent_launches()
+    for shape in (*banded, (8, 3)):
+        assert fused.default_tile(4, shape) == fused.CONCURRENT_BANDED_TILE, shape
+    assert fused.default_tile(1, (1024, 1024)) == (8, 64, 2)
+    monkeypatch.setenv("XLA_FLAGS", flags + "CONCURRENT " + flags + "LHS")
+    assert not fused.concurrent_launches()
+    assert fused.default_tile(4, (1024, 1024)) == (64, 128, 4)
+    monkeypatch.delenv("XLA_FLAGS")
+    assert not fused.concurrent_launches()
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
     monkeypatch.setattr(fused, "_SCAN_LANES", 2**14)  # the second has 5 x 2048 lanes at 8 rows
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]

@@ -76,6 +76,8 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+import os
+import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -146,6 +148,17 @@ SCAN_AHEAD = 1
 BANDED_TILE = (64, 128, 4)
 _BANDED_PROGRAMS = 512
 _BANDED_MIN_ROWS = 32
+# Bands >= 2 when XLA may run the tensors' launches at the same time (:func:`concurrent_launches`):
+# the launches fill the GPU together, so a tensor's chunks need not be short enough to fill it
+# alone, and longer chunks walk fewer rows twice ((rows + 3b - 1) / rows) and copy fewer halo
+# rows ((3b - 1) / rows of the state). On an H100 the LM set's band-4 update kept the device busy
+# 9.47 ms with 128-row chunks on every tensor, 10.18 with 64 (the 1M-element tensors' 32 raised
+# to 64) and 10.79 with ``BANDED_TILE``'s defaults; AdamW 3.15 (--warmup 2 --iters 3;
+# results/profile_update_band4_concurrent_chunks.json).
+CONCURRENT_BANDED_TILE = (128, 128, 4)
+# The XLA flag under which a GPU executable's independent kernels may overlap (with
+# ``--xla_gpu_graph_min_graph_size=1``, so that every update is one command buffer).
+CONCURRENT_FLAG = "--xla_gpu_command_buffer_scheduling_mode"
 # The widest band the kernel takes. Its walk keeps (2b - 1) b correlations in registers and
 # factors two b x b windows per element: on an H200 band 4's kernel beat XLA (the autoencoder's
 # 100 epochs in 6.36 s against 7.91), band 10's lost (36.2 s against 18.9, after minutes of
@@ -167,13 +180,23 @@ _SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
 _APPLY_SCALARS = ("weight_decay", "scale")
 
 
+def concurrent_launches() -> bool:
+    """Whether this process's ``XLA_FLAGS`` let XLA run a GPU executable's independent kernels at
+    the same time (the last :data:`CONCURRENT_FLAG` given is ``CONCURRENT``)."""
+    modes = re.findall(rf"{CONCURRENT_FLAG}=(\w+)", os.environ.get("XLA_FLAGS", ""))
+    return bool(modes) and modes[-1].upper() == "CONCURRENT"
+
+
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
     ``TILES[band]``, or for the walking kernels (band 1's scan, bands >= 2) ``SCAN_TILE`` or
     ``BANDED_TILE`` with fewer rows on small tensors (shorter walks: for the scan, until it has
     ``_SCAN_LANES`` walks times columns; for bands >= 2, ``_BANDED_PROGRAMS`` programs in a
-    launch of :func:`launch_group` tensors)."""
+    launch of :func:`launch_group` tensors); for bands >= 2 under :func:`concurrent_launches`,
+    ``CONCURRENT_BANDED_TILE`` on every tensor."""
     num_rows, num_cols = tile_view(shape)
+    if band >= 2 and concurrent_launches():
+        return CONCURRENT_BANDED_TILE
     if band >= 2:
         rows, cols, num_warps = BANDED_TILE
         tensors = launch_group(shape, band)
