@@ -54,10 +54,15 @@ update took 5.03 ms of device time instead of 5.25, results/profile_update_group
 ``b >= 2`` launch one tensor at a time by default (``_MAX_BANDED_GROUP``: their walk is long to
 compile). The launches of different tensors touch different buffers, so XLA may run them at the
 same time: under ``XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
---xla_gpu_graph_min_graph_size=1"`` the LM set's band-4 update kept an H100 busy 10.78 ms instead
-of 13.32, AdamW's 3.15 instead of 3.41 (the union of the kernels' intervals, ``span_ms``;
-results/profile_update_band4_concurrent.json): 3.42x AdamW's instead of 3.90x. That was one
-profile of three steps; the update table and the train step have not run under it.
+--xla_gpu_graph_min_graph_size=1"`` (:func:`concurrent_launches`) the launches fill the GPU
+together, and bands ``b >= 2`` walk longer row chunks (``CONCURRENT_BANDED_TILE``). The LM set's
+band-4 update then kept an H100 busy 9.32 ms (the union of the kernels' intervals, ``span_ms``),
+2.96x AdamW's 3.15, against 13.38 and 3.85x without the flags
+(results/update_speed_v18_concurrent_h100.json, results/update_speed_v16_h100.json); the
+results are the same bit for bit (tests/test_command_buffers.py, run on an H100). The flags are
+the process's, not the update's: AdamW's 350m train step peaked at 34.2 GiB instead of 30.9
+(results/train_step_concurrent_h100.json), so they stay opt-in (``CONCURRENT_LAUNCHES=1`` in
+launch/slurm_gpu.sbatch).
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
 fused apply), against 28 for a fused AdamW, with a few halo launches per model. The math is
