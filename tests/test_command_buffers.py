@@ -1,14 +1,14 @@
 """SONew's update under XLA's concurrent command-buffer scheduling equals its update without it.
 
 With ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` XLA may run independent
-kernels of an update at the same time (on an H100 band 4's update kept the device busy 19% less
-time: benchmarks/README.md, version 17). Every tensor's step kernel overwrites the state that a
-halo kernel read just before, in place, so the result is only right if XLA orders the two by
-their buffers. Two subprocesses run the same jitted, donated updates (bands 1 and 4, the fused
-apply, several tensors of one shape that share launches, a tensor of several row chunks), one
-under the flags, and their results must be equal bit for bit. On a GPU the kernels run
-concurrently; on the CPU (the XLA path) the flags do nothing, and the test checks that this jax's
-XLA accepts them.
+kernels of an update at the same time (on an H100 band 4's update, with its longer chunks under the
+flags, kept the device busy 30% less time: benchmarks/README.md, version 18). Every tensor's step
+kernel overwrites the state that a halo kernel read just before, in place, so the result is only
+right if XLA orders the two by their buffers. Two subprocesses run the same jitted, donated updates
+(bands 1 and 4, the fused apply, several tensors of one shape that share launches, a tensor of
+several row chunks), one under the flags, and their results must be equal bit for bit. On a GPU the
+kernels run concurrently; on the CPU (the XLA path) the flags do nothing, and the test checks that
+this jax's XLA accepts them.
 """
 
 import os
