@@ -1,15 +1,21 @@
 """Small helpers shared by the benchmark scripts: flags, device name, date, JSON output, tables."""
 
 import argparse
+import ast
+import contextlib
 import datetime
 import json
 import os
+import re
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import jax
+
+from sonew_pax.optim import fused
 
 
 def add_model_args(
@@ -63,6 +69,65 @@ def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int)
     parser.add_argument(
         "--iters", type=int_at_least(1), default=iters, help="timed steps (median reported)"
     )
+
+
+def _fused_override(text: str) -> tuple[str, Any]:
+    """``--fused NAME=VALUE``: a constant of ``fused`` and its new value, a Python literal of the
+    constant's type (``BANDED_TILE=(64,64,2)``, ``_BANDED_MIN_ROWS=16``)."""
+    name, sep, value = text.partition("=")
+    if not sep or not re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name) or not hasattr(fused, name):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=VALUE with NAME a constant of sonew_pax.optim.fused, got {text!r}"
+        )
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError) as err:
+        raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a Python literal") from err
+    current = getattr(fused, name)
+    if type(parsed) is not type(current):
+        raise argparse.ArgumentTypeError(
+            f"{name} is a {type(current).__name__}, got {value!r} ({type(parsed).__name__})"
+        )
+    return name, parsed
+
+
+def add_fused_arg(parser: argparse.ArgumentParser) -> None:
+    """``--fused NAME=VALUE`` (repeatable): constants of ``sonew_pax.optim.fused`` (tiles, launch
+    groups) set for the whole run with :func:`fused_constants`, as ``args.fused``, a list of
+    ``(name, value)`` pairs; results record them with :func:`fused_config`."""
+    parser.add_argument(
+        "--fused",
+        type=_fused_override,
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a constant of sonew_pax.optim.fused for the whole run (repeatable), e.g. "
+        "--fused _BANDED_MIN_ROWS=16 --fused 'BANDED_TILE=(64,64,2)'; recorded in config.fused",
+    )
+
+
+@contextlib.contextmanager
+def fused_constants(overrides: Sequence[tuple[str, Any]]) -> Iterator[None]:
+    """Within: the constants of ``fused`` set to ``overrides`` (``(name, value)`` pairs); restored
+    after."""
+    saved = {name: getattr(fused, name) for name, _ in overrides}
+    for name, value in overrides:
+        setattr(fused, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(fused, name, value)
+
+
+def fused_config(overrides: Sequence[tuple[str, Any]]) -> dict[str, dict[str, str]]:
+    """``{"fused": {name: repr(value)}}`` for a result's config, or ``{}`` without overrides."""
+    return {"fused": {name: repr(value) for name, value in overrides}} if overrides else {}
+
+
+def fused_argv(overrides: Sequence[tuple[str, Any]]) -> list[str]:
+    """The ``--fused`` flags that give a child process the same overrides."""
+    return [arg for name, value in overrides for arg in ("--fused", f"{name}={value!r}")]
 
 
 def device_name() -> str:

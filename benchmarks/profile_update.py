@@ -26,7 +26,6 @@ Usage: ``python benchmarks/profile_update.py --optimizers adamw,sonew_tridiag_pa
 """
 
 import argparse
-import ast
 import contextlib
 import gzip
 import json
@@ -35,7 +34,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 
@@ -166,40 +164,6 @@ def _kernels(text: str) -> list[str]:
     return kernels
 
 
-def _override(text: str) -> tuple[str, Any]:
-    """``--fused NAME=VALUE``: a constant of ``fused`` and its new value, a Python literal of the
-    constant's type (``BANDED_TILE=(64,64,2)``, ``_BANDED_MIN_ROWS=16``)."""
-    name, sep, value = text.partition("=")
-    if not sep or not re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name) or not hasattr(fused, name):
-        raise argparse.ArgumentTypeError(
-            f"expected NAME=VALUE with NAME a constant of sonew_pax.optim.fused, got {text!r}"
-        )
-    try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError) as err:
-        raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a Python literal") from err
-    current = getattr(fused, name)
-    if type(parsed) is not type(current):
-        raise argparse.ArgumentTypeError(
-            f"{name} is a {type(current).__name__}, got {value!r} ({type(parsed).__name__})"
-        )
-    return name, parsed
-
-
-@contextlib.contextmanager
-def fused_constants(overrides: list[tuple[str, Any]]):
-    """Within: the constants of ``fused`` set to ``overrides`` (``(name, value)`` pairs); restored
-    after."""
-    saved = {name: getattr(fused, name) for name, _ in overrides}
-    for name, value in overrides:
-        setattr(fused, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(fused, name, value)
-
-
 @contextlib.contextmanager
 def band1(kernel: str, tile: tuple[int, int, int] | None, stack: int | None = None):
     """Within: band-1 updates built run ``kernel`` (``fused.BAND1_KERNEL``) with default tile
@@ -247,15 +211,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="S,...: profile every optimizer once per number of walks the band-1 scan stacks in "
         "a program (fused.SCAN_STACK; rows named optimizer@...:sS)",
     )
-    p.add_argument(
-        "--fused",
-        type=_override,
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="set a constant of sonew_pax.optim.fused for the whole run (repeatable), e.g. "
-        "--fused _BANDED_MIN_ROWS=16 --fused 'BANDED_TILE=(64,64,2)'; recorded in config.fused",
-    )
+    common.add_fused_arg(p)
     p.add_argument(
         "--grad_std",
         type=float,
@@ -289,11 +245,10 @@ def main(argv=None) -> dict:
         "config": {
             **{k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers", "grad_std")},
             "xla_flags": common.xla_flags(),
+            **common.fused_config(args.fused),
         },
         "rows": [],
     }
-    if args.fused:
-        result["config"]["fused"] = {name: repr(value) for name, value in args.fused}
     settings = [
         (kernel, tile, stack)
         for kernel in args.band1_kernels or [fused.BAND1_KERNEL]
@@ -306,7 +261,7 @@ def main(argv=None) -> dict:
         suffix += [f"s{stack}"] if stack else []
         for name in names:
             label = f"{name}@{':'.join(suffix)}" if suffix else name
-            with fused_constants(args.fused), band1(kernel, tile, stack):
+            with common.fused_constants(args.fused), band1(kernel, tile, stack):
                 row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
             row["optimizer"] = label
             result["rows"].append(row)

@@ -221,7 +221,7 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
             argv += [f"--{flag}", str(getattr(args, flag))]
     if args.unsharded_optimizer:
         argv.append("--unsharded_optimizer")
-    return argv
+    return argv + common.fused_argv(args.fused)
 
 
 def run_isolated(name: str, args: argparse.Namespace) -> dict:
@@ -267,6 +267,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
+    common.add_fused_arg(p)
     p.add_argument(
         "--profile_steps",
         type=common.int_at_least(0),
@@ -319,6 +320,7 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "isolated": not args.no_isolate,
             "jax": jax.__version__,
             "xla_flags": common.xla_flags(),
+            **common.fused_config(args.fused),
         },
         "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
     }
@@ -331,7 +333,8 @@ def main(argv=None) -> dict:
     """
     args = parse_args(argv)
     if args.worker:
-        common.write_json(args.row_out, run_one(args.worker, args))
+        with common.fused_constants(args.fused):
+            common.write_json(args.row_out, run_one(args.worker, args))
         return {}
     names = [n for n in args.optimizers.split(",") if n]
     unknown = set(names) - set(OPTIMIZERS)
@@ -339,7 +342,11 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     rows = []
     for name in names:
-        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
+        if args.no_isolate:
+            with common.fused_constants(args.fused):
+                row = run_one(name, args)
+        else:
+            row = run_isolated(name, args)
         status = row.get("error") or f"{row['step_ms']:.2f} ms"
         print(f"{name}: {status}", flush=True)
         rows.append(row)

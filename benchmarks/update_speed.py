@@ -248,6 +248,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
     )
     common.add_timing_args(p, warmup=5, iters=50)
+    common.add_fused_arg(p)
     p.add_argument(
         "--profile_steps",
         type=common.int_at_least(0),
@@ -273,6 +274,7 @@ def build_result(rows: list[dict], n: int, args: argparse.Namespace) -> dict:
             "profile_steps": args.profile_steps,
             "jax": jax.__version__,
             "xla_flags": common.xla_flags(),
+            **common.fused_config(args.fused),
         },
         "rows": add_ratios(rows),
     }
@@ -298,7 +300,8 @@ def main(argv=None) -> dict:
         )
     ]
     for name in names:
-        timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
+        with common.fused_constants(args.fused):
+            timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))
         print(f"{name}: {timing.ms:.3f} ms", flush=True)
         common.write_json(args.out, build_result(rows, n, args))

@@ -51,13 +51,25 @@ def test_lm_shapes_full_size_and_specs():
     assert specs["layer_00"]["out"] == jax.sharding.PartitionSpec("model", "data")
 
 
-def test_update_speed_schema(tmp_path):
+def test_update_speed_schema(tmp_path, monkeypatch):
     out = tmp_path / "update_speed.json"
     argv = [*TINY, "--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "2"]
-    argv += ["--profile_steps", "1"]
+    argv += ["--profile_steps", "1", "--fused", "_BANDED_MIN_ROWS=16"]
+    saved, built = fused._BANDED_MIN_ROWS, []
+    make = update_speed.make_optimizer
+
+    def spy(name):
+        built.append((name, fused._BANDED_MIN_ROWS))
+        return make(name)
+
+    monkeypatch.setattr(update_speed, "make_optimizer", spy)
     written = _read(out, update_speed.main([*argv, "--out", str(out)]))
     # conftest.py sets XLA_FLAGS (8 CPU devices): the result says what the timings ran under.
     assert written["config"]["xla_flags"] == os.environ["XLA_FLAGS"]
+    # --fused holds while each timed optimizer is built and run, and is restored after.
+    assert built[-2:] == [("adamw", 16), ("sonew_tridiag", 16)]
+    assert written["config"]["fused"] == {"_BANDED_MIN_ROWS": "16"}
+    assert saved == fused._BANDED_MIN_ROWS
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == {"copy", "adamw", "sonew_tridiag"}
     for row in rows.values():
@@ -154,10 +166,15 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "2",
             "--profile_families",
             "50",
+            "--fused",
+            "BANDED_TILE=(16, 64, 2)",
+            "--fused",
+            "_BANDED_MIN_ROWS=8",
         ]
     )
     child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
     assert child.worker == "adamw" and child.row_out == tmp_path / "r.json"
+    assert child.fused == args.fused == [("BANDED_TILE", (16, 64, 2)), ("_BANDED_MIN_ROWS", 8)]
     for name in (
         "model",
         "dtype",
