@@ -15,8 +15,6 @@ from typing import Any
 
 import jax
 
-from sonew_pax.optim import fused
-
 
 def add_model_args(
     parser: argparse.ArgumentParser,
@@ -74,6 +72,8 @@ def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int)
 def _fused_override(text: str) -> tuple[str, Any]:
     """``--fused NAME=VALUE``: a constant of ``fused`` and its new value, a Python literal of the
     constant's type (``BANDED_TILE=(64,64,2)``, ``_BANDED_MIN_ROWS=16``)."""
+    from sonew_pax.optim import fused  # lazy, as in fused_constants
+
     name, sep, value = text.partition("=")
     if not sep or not re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name) or not hasattr(fused, name):
         raise argparse.ArgumentTypeError(
@@ -110,6 +110,10 @@ def add_fused_arg(parser: argparse.ArgumentParser) -> None:
 def fused_constants(overrides: Sequence[tuple[str, Any]]) -> Iterator[None]:
     """Within: the constants of ``fused`` set to ``overrides`` (``(name, value)`` pairs); restored
     after."""
+    # Lazy: scripts that never take --fused (autoencoder.py keeps the optimizer library optional)
+    # do not import the kernels' module by importing this one.
+    from sonew_pax.optim import fused
+
     saved = {name: getattr(fused, name) for name, _ in overrides}
     for name, value in overrides:
         setattr(fused, name, value)

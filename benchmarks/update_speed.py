@@ -158,15 +158,15 @@ class Timing(NamedTuple):
     """One optimizer's update: median and fastest ms to ``block_until_ready``, the floor bytes,
     the mean ms of steps dispatched back to back (``common.time_pipelined``; None for the copy),
     the host's ms per call (``common.time_dispatch``; None for the copy) and the device's kernel
-    ms per step (None unless profiled)."""
+    ms and span per step (None unless profiled)."""
 
     ms: float
     ms_min: float
     bytes: int
-    pipelined_ms: float | None
-    dispatch_ms: float | None
-    busy_ms: float | None
-    span_ms: float | None
+    pipelined_ms: float | None = None
+    dispatch_ms: float | None = None
+    busy_ms: float | None = None
+    span_ms: float | None = None
 
 
 def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
@@ -294,11 +294,7 @@ def main(argv=None) -> dict:
     n = lm_shapes.count(shapes)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=GRAD_STD)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
-    rows = [
-        make_row(
-            "copy", Timing(*time_copy(copy_bytes, args), copy_bytes, None, None, None, None), n
-        )
-    ]
+    rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes), n)]
     for name in names:
         with common.fused_constants(args.fused):
             timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
