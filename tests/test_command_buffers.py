@@ -32,7 +32,7 @@ from sonew_pax.optim import fused
 # Band 4's chunks as under the flags (fused.concurrent_launches), in both processes: the same
 # kernels, launched one after another or at once.
 fused.BANDED_TILE, fused._BANDED_PROGRAMS = fused.CONCURRENT_BANDED_TILE, 1
-shapes = {f"w{k}": (96, 64) for k in range(3)} | {"tall": (300, 32), "bias": (48,)}
+shapes = {f"w{k}": (96, 64) for k in range(3)} | {"tall": (600, 32), "bias": (48,)}
 rng = np.random.default_rng(0)
 out = {}
 for band in (1, 4):

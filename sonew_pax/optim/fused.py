@@ -56,13 +56,15 @@ compile). The launches of different tensors touch different buffers, so XLA may 
 same time: under ``XLA_FLAGS="--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
 --xla_gpu_graph_min_graph_size=1"`` (:func:`concurrent_launches`) the launches fill the GPU
 together, and bands ``b >= 2`` walk longer row chunks (``CONCURRENT_BANDED_TILE``). The LM set's
-band-4 update then kept an H100 busy 9.32 ms (the union of the kernels' intervals, ``span_ms``),
-2.96x AdamW's 3.15, against 13.38 and 3.85x without the flags
-(results/update_speed_v18_concurrent_h100.json, results/update_speed_v16_h100.json); the
+band-4 update then kept an H100 busy 9.09 ms (the union of the kernels' intervals, ``span_ms``),
+2.88x AdamW's 3.16, against 13.38 and 3.85x without the flags
+(results/update_speed_v19_concurrent_band4_h100.json, results/update_speed_v16_h100.json); the
 results are the same bit for bit (tests/test_command_buffers.py, run on an H100). The flags are
-the process's, not the update's: AdamW's 350m train step peaked at 34.2 GiB instead of 30.9
-(results/train_step_concurrent_h100.json), so they stay opt-in (``CONCURRENT_LAUNCHES=1`` in
-launch/slurm_gpu.sbatch).
+the process's, not the update's: under the CONCURRENT mode XLA's buffer assignment keeps apart
+buffers that serial order would share, and AdamW's 350m train step needs 30.0 GiB of temporaries
+instead of 26.7 (it peaked at 34.2 GiB instead of 30.9; ``--xla_gpu_graph_min_graph_size=1``
+alone changes nothing; results/train_step_concurrent_h100.json), so they stay opt-in
+(``CONCURRENT_LAUNCHES=1`` in launch/slurm_gpu.sbatch).
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
 fused apply), against 28 for a fused AdamW, with a few halo launches per model. The math is
@@ -159,8 +161,10 @@ _BANDED_MIN_ROWS = 32
 # rows ((3b - 1) / rows of the state). On an H100 the LM set's band-4 update kept the device busy
 # 9.47 ms with 128-row chunks on every tensor, 10.18 with 64 (the 1M-element tensors' 32 raised
 # to 64) and 10.79 with ``BANDED_TILE``'s defaults; AdamW 3.15 (--warmup 2 --iters 3;
-# results/profile_update_band4_concurrent_chunks.json).
-CONCURRENT_BANDED_TILE = (128, 128, 4)
+# results/profile_update_band4_concurrent_chunks.json). Later, on one H100: 256 rows 9.01 ms,
+# 128 9.47, 512 10.65 (too few programs per launch to overlap well), AdamW 3.153-3.155
+# (results/profile_update_band4_concurrent_rows.json).
+CONCURRENT_BANDED_TILE = (256, 128, 4)
 # The XLA flag under which a GPU executable's independent kernels may overlap (with
 # ``--xla_gpu_graph_min_graph_size=1``, so that every update is one command buffer).
 CONCURRENT_FLAG = "--xla_gpu_command_buffer_scheduling_mode"
