@@ -12,8 +12,9 @@ TPU they are auto-detected: see `sonew_pax.distributed`).
 
 What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-info.txt``
 (parameter and optimizer-state shapes, specs and counts), ``checkpoint_<step>/``,
-``metrics.jsonl``, and TensorBoard events under ``train/`` and ``eval/``. Rerunning the same
-command resumes from the newest complete checkpoint.
+``metrics.jsonl``, TensorBoard events under ``train/`` and ``eval/``, and ``compilation_cache/``
+(JAX's persistent compilation cache). Rerunning the same command resumes from the newest complete
+checkpoint, loading the compiled train step from the cache.
 """
 
 import logging as pylogging

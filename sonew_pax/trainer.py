@@ -8,9 +8,12 @@ the state's step, so a resumed run draws the same randomness as one that never s
 `train` (gin-configurable, what ``python -m sonew_pax.train`` calls) wires the parts together in
 the order of a T5X run: mesh and rules (`partitioning`), data, state layout and initialisation
 (`train_state`), restore (`checkpoints`), then the loop: step, write metrics (`metrics`), evaluate
-every EVAL_PERIOD, save every CHECKPOINT_PERIOD, on SIGTERM and at the end.
+every EVAL_PERIOD, save every CHECKPOINT_PERIOD, on SIGTERM and at the end. Compiled programs go
+to JAX's persistent compilation cache (default ``MODEL_DIR/compilation_cache``), so that a resumed
+run loads its train step instead of compiling it again.
 """
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import optax
 from absl import logging
 from etils import epath
+from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sonew_pax import checkpoints, metrics, optim, optimizers, partitioning, paths, train_state
@@ -31,6 +35,7 @@ from sonew_pax.train_state import TrainState
 Batch = Mapping[str, jax.Array]
 Metrics = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "weights")
+COMPILATION_CACHE = "compilation_cache"
 
 
 def weighted_cross_entropy(
@@ -219,6 +224,37 @@ def _restore_or_init(
     return state
 
 
+def compilation_cache_path(model_dir: epath.Path, setting: str | None) -> str | None:
+    """Where a run's compiled programs are cached (`train`'s ``compilation_cache_dir``): None
+    picks JAX's own cache directory if it has one (``JAX_COMPILATION_CACHE_DIR``), else
+    ``model_dir/compilation_cache``; ``""`` turns the cache off (None is returned); anything
+    else is the directory (a path or a URI)."""
+    if setting is None:
+        return jax.config.jax_compilation_cache_dir or str(model_dir / COMPILATION_CACHE)
+    return setting or None
+
+
+@contextlib.contextmanager
+def persistent_compilation_cache(path: str | None):
+    """JAX's persistent compilation cache at ``path`` (None: off) while the block runs, then the
+    process's own setting again. Only process 0 writes entries (JAX's rule); every process reads,
+    so on a shared ``path`` all hosts of a restarted run skip compilation."""
+    before = jax.config.jax_compilation_cache_dir
+    if path == before:
+        yield
+        return
+
+    def use(directory: str | None) -> None:
+        compilation_cache.set_cache_dir(directory)
+        compilation_cache.reset_cache()  # the cache opens its directory once; reopen it
+
+    use(path)
+    try:
+        yield
+    finally:
+        use(before)
+
+
 def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:
     """Fails early when the tokenizer emits ids the model's embedding cannot hold."""
     vocab = batches.tokenizer.vocab_size
@@ -246,6 +282,7 @@ def train(
     optimizer: Callable[..., Any] = optimizers.make_optimizer,
     keep_checkpoints: int | None = None,
     log_every: int = 10,
+    compilation_cache_dir: str | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> RunResult:
     """Trains ``model_config``'s Transformer for ``train_steps`` steps, resuming from MODEL_DIR.
@@ -268,6 +305,12 @@ def train(
       optimizer: ``f(schedule, mesh=, param_specs=)`` -> optax transformation.
       keep_checkpoints: how many checkpoints to keep (None: all).
       log_every: steps between progress lines.
+      compilation_cache_dir: JAX's persistent compilation cache for this run: None (default)
+        ``JAX_COMPILATION_CACHE_DIR`` if set, else ``MODEL_DIR/compilation_cache``; ``""`` off;
+        else that directory. A resumed run (or a rerun of the same config) then loads its
+        compiled train step: JAX keys entries by program, devices, flags and versions, and caches
+        compilations longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s). Trust the
+        directory as you trust the code: JAX runs what it loads from it.
       mesh: the device mesh; default `partitioning.make_mesh()` as configured in gin.
 
     Returns:
@@ -275,7 +318,8 @@ def train(
     """
     model_dir_path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
     stop = checkpoints.StopSignal()
-    with stop.installed():
+    cache = compilation_cache_path(model_dir_path, compilation_cache_dir)
+    with stop.installed(), persistent_compilation_cache(cache):
         model_dir_path.mkdir(parents=True, exist_ok=True)
         data_args = {
             "seq_len": seq_len,

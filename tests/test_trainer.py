@@ -4,6 +4,7 @@ corrupt-checkpoint fallback, compiled shardings, optimizer factory and schedules
 One reference run (tiny model, 2x4 mesh, tridiagonal SONew) is shared by the module.
 """
 
+import contextlib
 import json
 import logging
 import shutil
@@ -50,6 +51,17 @@ def losses(model_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
 
 
+@contextlib.contextmanager
+def jax_config(name: str, value):
+    """``jax.config`` option ``name`` set to ``value`` in the block."""
+    before = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
+
+
 @pytest.fixture(autouse=True)
 def _clear_gin():
     yield
@@ -58,10 +70,12 @@ def _clear_gin():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """An uninterrupted 12-step run on the 2x4 mesh with checkpoints at 6 and 12."""
+    """An uninterrupted 12-step run on the 2x4 mesh with checkpoints at 6 and 12 (every program
+    it compiles in its compilation cache: the tiny step may compile in less than JAX's 1 s)."""
     model_dir = tmp_path_factory.mktemp("reference")
     configure(model_dir)
-    result = trainer.train()
+    with jax_config("jax_persistent_cache_min_compile_time_secs", 0):
+        result = trainer.train()
     gin.clear_config()
     return model_dir, result
 
@@ -87,6 +101,35 @@ def test_run_writes_everything(reference):
     info = (model_dir / "model-info.txt").read_text()
     assert "Parameters:" in info and "Optimizer state:" in info
     assert "P(None, 'model')" in info  # mlp/wi is split over the model axis
+    assert list((model_dir / trainer.COMPILATION_CACHE).glob("jit_train_step-*"))
+    assert jax.config.jax_compilation_cache_dir is None  # the run's cache ended with the run
+
+
+def test_resume_loads_the_compiled_step(reference, tmp_path, caplog):
+    """A resumed run that reads the reference's compilation cache loads its train step from it,
+    and the loaded program computes what the compiled one did. (The cache is named, not copied:
+    on a GPU JAX keys entries by the cache's path too, via XLA's autotuning cache in it.)"""
+    ref_dir, _ = reference
+    cache = str(ref_dir / trainer.COMPILATION_CACHE)
+    jax.clear_caches()  # nothing compiled in this process serves the run
+    with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+        result = _resume_from(
+            reference, tmp_path, [PERIOD], eval_data=None, compilation_cache_dir=cache
+        )
+    hits = [r.getMessage() for r in caplog.records if "compilation cache hit" in r.getMessage()]
+    assert any("'jit_train_step'" in hit for hit in hits), hits
+    assert not (tmp_path / trainer.COMPILATION_CACHE).exists()
+    assert result.step == STEPS
+    expected = losses(ref_dir)
+    assert losses(tmp_path) == {s: expected[s] for s in range(PERIOD + 1, STEPS + 1)}
+
+
+def test_compilation_cache_path(tmp_path):
+    assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "compilation_cache")
+    assert trainer.compilation_cache_path(tmp_path, "") is None
+    assert trainer.compilation_cache_path(tmp_path, "gs://bucket/cache") == "gs://bucket/cache"
+    with jax_config("jax_compilation_cache_dir", str(tmp_path / "shared")):  # as the env var
+        assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "shared")
 
 
 def _resume_from(reference, tmp_path, steps, **train_kwargs):
