@@ -238,21 +238,29 @@ def compilation_cache_path(model_dir: epath.Path, setting: str | None) -> str | 
 def persistent_compilation_cache(path: str | None):
     """JAX's persistent compilation cache at ``path`` (None: off) while the block runs, then the
     process's own setting again. Only process 0 writes entries (JAX's rule); every process reads,
-    so on a shared ``path`` all hosts of a restarted run skip compilation."""
-    before = jax.config.jax_compilation_cache_dir
-    if path == before:
+    so on a shared ``path`` all hosts of a restarted run skip compilation.
+
+    At a URI (``gs://...``) XLA's own caches stay off: JAX would hand XLA ``path``'s autotuning
+    subdirectory as a local path (``gs:/...``, under the working directory)."""
+    before = (
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_enable_xla_caches,
+    )
+    xla_caches = "" if path and "://" in path else before[1]
+    if (path, xla_caches) == before:
         yield
         return
 
-    def use(directory: str | None) -> None:
+    def use(directory: str | None, xla: str | None) -> None:
+        jax.config.update("jax_persistent_cache_enable_xla_caches", xla)
         compilation_cache.set_cache_dir(directory)
         compilation_cache.reset_cache()  # the cache opens its directory once; reopen it
 
-    use(path)
+    use(path, xla_caches)
     try:
         yield
     finally:
-        use(before)
+        use(*before)
 
 
 def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:

@@ -124,6 +124,18 @@ def test_resume_loads_the_compiled_step(reference, tmp_path, caplog):
     assert losses(tmp_path) == {s: expected[s] for s in range(PERIOD + 1, STEPS + 1)}
 
 
+def test_compilation_cache_at_a_uri_keeps_xla_caches_off():
+    """XLA's autotuning cache would land in a local ``gs:/...`` directory: off for URIs only."""
+    default = jax.config.jax_persistent_cache_enable_xla_caches
+    with trainer.persistent_compilation_cache("gs://bucket/run/compilation_cache"):
+        assert jax.config.jax_compilation_cache_dir == "gs://bucket/run/compilation_cache"
+        assert not jax.config.jax_persistent_cache_enable_xla_caches
+    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_persistent_cache_enable_xla_caches == default
+    with trainer.persistent_compilation_cache("/shared/run/compilation_cache"):
+        assert jax.config.jax_persistent_cache_enable_xla_caches == default
+
+
 def test_compilation_cache_path(tmp_path):
     assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "compilation_cache")
     assert trainer.compilation_cache_path(tmp_path, "") is None
