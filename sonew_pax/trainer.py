@@ -316,8 +316,8 @@ def train(
       compilation_cache_dir: JAX's persistent compilation cache for this run: None (default)
         ``JAX_COMPILATION_CACHE_DIR`` if set, else ``MODEL_DIR/compilation_cache``; ``""`` off;
         else that directory. A resumed run (or a rerun of the same config) then loads its
-        compiled train step: JAX keys entries by program, devices, flags and versions (on GPUs
-        also by the cache's own path, which holds XLA's autotuning cache: a moved cache misses),
+        compiled train step: JAX keys entries by program, devices, flags and versions (and by
+        the cache's own path, where it keeps XLA's autotuning cache: a moved cache misses),
         and caches compilations longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s).
         Trust the directory as you trust the code: JAX runs what it loads from it.
       mesh: the device mesh; default `partitioning.make_mesh()` as configured in gin.

@@ -45,6 +45,10 @@ def configure(model_dir, *extra: str, files=("tiny.gin",)) -> None:
     train.parse_gin(list(files), bindings, [])
 
 
+# JAX's cache directory before any run (JAX_COMPILATION_CACHE_DIR, unset in CI): restored after.
+PROCESS_CACHE = jax.config.jax_compilation_cache_dir
+
+
 def losses(model_dir) -> dict[int, float]:
     """step -> training loss, from metrics.jsonl."""
     lines = (model_dir / "metrics.jsonl").read_text().splitlines()
@@ -74,7 +78,10 @@ def reference(tmp_path_factory):
     it compiles in its compilation cache: the tiny step may compile in less than JAX's 1 s)."""
     model_dir = tmp_path_factory.mktemp("reference")
     configure(model_dir)
-    with jax_config("jax_persistent_cache_min_compile_time_secs", 0):
+    with (
+        jax_config("jax_compilation_cache_dir", None),  # the default place, whatever the env says
+        jax_config("jax_persistent_cache_min_compile_time_secs", 0),
+    ):
         result = trainer.train()
     gin.clear_config()
     return model_dir, result
@@ -102,13 +109,13 @@ def test_run_writes_everything(reference):
     assert "Parameters:" in info and "Optimizer state:" in info
     assert "P(None, 'model')" in info  # mlp/wi is split over the model axis
     assert list((model_dir / trainer.COMPILATION_CACHE).glob("jit_train_step-*"))
-    assert jax.config.jax_compilation_cache_dir is None  # the run's cache ended with the run
+    assert jax.config.jax_compilation_cache_dir == PROCESS_CACHE  # restored after the run
 
 
 def test_resume_loads_the_compiled_step(reference, tmp_path, caplog):
     """A resumed run that reads the reference's compilation cache loads its train step from it,
     and the loaded program computes what the compiled one did. (The cache is named, not copied:
-    on a GPU JAX keys entries by the cache's path too, via XLA's autotuning cache in it.)"""
+    JAX keys entries by the cache's path too, via the XLA autotuning cache it places inside.)"""
     ref_dir, _ = reference
     cache = str(ref_dir / trainer.COMPILATION_CACHE)
     jax.clear_caches()  # nothing compiled in this process serves the run
@@ -130,14 +137,15 @@ def test_compilation_cache_at_a_uri_keeps_xla_caches_off():
     with trainer.persistent_compilation_cache("gs://bucket/run/compilation_cache"):
         assert jax.config.jax_compilation_cache_dir == "gs://bucket/run/compilation_cache"
         assert not jax.config.jax_persistent_cache_enable_xla_caches
-    assert jax.config.jax_compilation_cache_dir is None
+    assert jax.config.jax_compilation_cache_dir == PROCESS_CACHE
     assert jax.config.jax_persistent_cache_enable_xla_caches == default
     with trainer.persistent_compilation_cache("/shared/run/compilation_cache"):
         assert jax.config.jax_persistent_cache_enable_xla_caches == default
 
 
 def test_compilation_cache_path(tmp_path):
-    assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "compilation_cache")
+    with jax_config("jax_compilation_cache_dir", None):  # no JAX_COMPILATION_CACHE_DIR
+        assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "compilation_cache")
     assert trainer.compilation_cache_path(tmp_path, "") is None
     assert trainer.compilation_cache_path(tmp_path, "gs://bucket/cache") == "gs://bucket/cache"
     with jax_config("jax_compilation_cache_dir", str(tmp_path / "shared")):  # as the env var
