@@ -7,14 +7,25 @@ os.environ["XLA_FLAGS"] = (
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib
+
 import jax
 import pytest
+
+
+@contextlib.contextmanager
+def jax_config(name: str, value):
+    """``jax.config`` option ``name`` set to ``value`` in the block, restored after."""
+    before = getattr(jax.config, name)
+    jax.config.update(name, value)
+    try:
+        yield
+    finally:
+        jax.config.update(name, before)
 
 
 @pytest.fixture
 def x64():
     """Float64 for the duration of one test (math checked against dense float64 references)."""
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
+    with jax_config("jax_enable_x64", True):
+        yield

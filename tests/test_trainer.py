@@ -4,7 +4,6 @@ corrupt-checkpoint fallback, compiled shardings, optimizer factory and schedules
 One reference run (tiny model, 2x4 mesh, tridiagonal SONew) is shared by the module.
 """
 
-import contextlib
 import json
 import logging
 import shutil
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from sonew_pax import demo, optimizers, partitioning, train, trainer
+from tests.conftest import jax_config
 
 STEPS = 12
 PERIOD = 6
@@ -53,17 +53,6 @@ def losses(model_dir) -> dict[int, float]:
     """step -> training loss, from metrics.jsonl."""
     lines = (model_dir / "metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines)}
-
-
-@contextlib.contextmanager
-def jax_config(name: str, value):
-    """``jax.config`` option ``name`` set to ``value`` in the block."""
-    before = getattr(jax.config, name)
-    jax.config.update(name, value)
-    try:
-        yield
-    finally:
-        jax.config.update(name, before)
 
 
 @pytest.fixture(autouse=True)
