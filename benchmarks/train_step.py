@@ -133,7 +133,14 @@ def peak_memory_gib(devices=None) -> float | None:
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
-    """Builds the Trainer for optimizer ``name``, times its train step, returns the row."""
+    """Builds the Trainer for optimizer ``name``, times its train step, returns the row; the
+    ``--fused`` overrides hold throughout (the kernels are built and traced within)."""
+    with common.fused_constants(args.fused):
+        return _measure(name, args)
+
+
+def _measure(name: str, args: argparse.Namespace) -> dict:
+    """`run_one`'s work."""
     optimizer = optimizer_factory(name, args.unsharded_optimizer)
     config = load_model_config(args.model, args.dtype, args.layers)
     devices = jax.devices()[: args.mesh_data * args.mesh_model]
@@ -333,8 +340,7 @@ def main(argv=None) -> dict:
     """
     args = parse_args(argv)
     if args.worker:
-        with common.fused_constants(args.fused):
-            common.write_json(args.row_out, run_one(args.worker, args))
+        common.write_json(args.row_out, run_one(args.worker, args))
         return {}
     names = [n for n in args.optimizers.split(",") if n]
     unknown = set(names) - set(OPTIMIZERS)
@@ -342,11 +348,7 @@ def main(argv=None) -> dict:
         raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     rows = []
     for name in names:
-        if args.no_isolate:
-            with common.fused_constants(args.fused):
-                row = run_one(name, args)
-        else:
-            row = run_isolated(name, args)
+        row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
         status = row.get("error") or f"{row['step_ms']:.2f} ms"
         print(f"{name}: {status}", flush=True)
         rows.append(row)
