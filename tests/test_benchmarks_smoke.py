@@ -16,6 +16,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import common
+import compile_cache
 import kernel_speed
 import lm_shapes
 import profile_update
@@ -366,3 +367,16 @@ def test_time_pipelined_dispatches_every_step_then_waits_once(monkeypatch):
     ms, carry = common.time_pipelined(lambda c: c + 1, jnp.zeros(()), 5)
     assert float(carry) == 5.0 and ms > 0
     assert len(waits) == 2  # the carry before the first dispatch, and after the last
+
+
+def test_compile_cache_schema(tmp_path):
+    """A second process loads the first one's compiled update from the cache (JAX logs the hit)
+    and computes the same parameters."""
+    out = tmp_path / "compile_cache.json"
+    argv = [*TINY, "--optimizers", "sonew_tridiag_lag", "--steps", "2", "--out", str(out)]
+    written = _read(out, compile_cache.main(argv))
+    (row,) = written["rows"]
+    assert row["optimizer"] == "sonew_tridiag_lag"
+    assert row["warm_hit"] is True and row["same_result"] is True
+    assert all(_finite(row[k]) and row[k] > 0 for k in compile_cache.COLUMNS[1:6])
+    assert row["checksums"][0] == row["checksums"][1] > 0
