@@ -15,6 +15,7 @@ run loads its train step instead of compiling it again.
 
 import contextlib
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -263,6 +264,37 @@ def persistent_compilation_cache(path: str | None):
         use(*before)
 
 
+# The event JAX's compiler records each time it loads an executable from the persistent cache.
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+
+
+@contextlib.contextmanager
+def first_step_log():
+    """Logs before and after the block (a run's first step, whose metrics it waits for) how long
+    it took, compiling included, and how many programs JAX loaded from the persistent compilation
+    cache meanwhile: on a GPU, SONew's kernels make the first step of a large model take minutes
+    to compile, and a resumed run should load it instead (:func:`persistent_compilation_cache`)."""
+    hits = 0
+
+    def count(event: str, **_) -> None:
+        nonlocal hits
+        hits += event == _CACHE_HIT_EVENT
+
+    logging.info("First step: compiling the train step")
+    jax.monitoring.register_event_listener(count)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        jax.monitoring.unregister_event_listener(count)
+    logging.info(
+        "First step done in %.1f s, compiling included (%d program(s) loaded from the "
+        "compilation cache)",
+        time.perf_counter() - start,
+        hits,
+    )
+
+
 def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:
     """Fails early when the tokenizer emits ids the model's embedding cannot hold."""
     vocab = batches.tokenizer.vocab_size
@@ -361,9 +393,13 @@ def train(
         pending: tuple[int, dict[str, Any]] | None = None
         loss = None
         preempted = stop.received
+        first = step
         try:
             while step < train_steps and not preempted:
-                state, step_metrics = step_fns.step(state, next(batches))
+                with first_step_log() if step == first else contextlib.nullcontext():
+                    state, step_metrics = step_fns.step(state, next(batches))
+                    if step == first:
+                        jax.block_until_ready(step_metrics)
                 step += 1
                 if pending is not None:  # the previous step's metrics are ready by now
                     writer.write(*pending)

@@ -6,6 +6,7 @@ One reference run (tiny model, 2x4 mesh, tridiagonal SONew) is shared by the mod
 
 import json
 import logging
+import re
 import shutil
 
 import gin
@@ -108,12 +109,19 @@ def test_resume_loads_the_compiled_step(reference, tmp_path, caplog):
     ref_dir, _ = reference
     cache = str(ref_dir / trainer.COMPILATION_CACHE)
     jax.clear_caches()  # nothing compiled in this process serves the run
-    with caplog.at_level(logging.DEBUG, logger="jax._src.compiler"):
+    with (  # the last sets caplog's handler level too: DEBUG
+        caplog.at_level(logging.INFO, logger="absl"),
+        caplog.at_level(logging.DEBUG, logger="jax._src.compiler"),
+    ):
         result = _resume_from(
             reference, tmp_path, [PERIOD], eval_data=None, compilation_cache_dir=cache
         )
-    hits = [r.getMessage() for r in caplog.records if "compilation cache hit" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records]
+    hits = [m for m in messages if "compilation cache hit" in m]
     assert any("'jit_train_step'" in hit for hit in hits), hits
+    # The trainer says so: its first step loaded a program from the cache.
+    (first,) = [m for m in messages if m.startswith("First step done")]
+    assert re.search(r"in \d+\.\d s, compiling included \([1-9]\d* program", first), first
     assert not (tmp_path / trainer.COMPILATION_CACHE).exists()
     assert result.step == STEPS
     expected = losses(ref_dir)
