@@ -264,19 +264,29 @@ def test_profile_update_schema(tmp_path):
     assert list((tmp_path / "traces" / "adamw").glob("**/perfetto_trace.json.gz"))
 
 
-def test_profile_update_band1_tiles(tmp_path):
-    """One row per (tile, optimizer), each traced under its tile; fused.TILES is restored."""
-    default = fused.TILES[1]
+def test_profile_update_band1_tiles(tmp_path, monkeypatch):
+    """One row per (tile, optimizer), each profiled with its tile as the default band-1 kernel's
+    (the scan's) into a trace folder of its own; the tiles are restored. (The profiling itself
+    is a stub: test_profile_update_schema runs it; two real profiles here took 20 s of CI.)"""
+    assert fused.BAND1_KERNEL == "scan"
+    default = fused.TILES[1], fused.SCAN_TILE
+    seen = []
+
+    def stub(name, shapes, grads, args, trace_dir):
+        assert fused.TILES[1] == default[0]
+        seen.append((fused.SCAN_TILE, trace_dir))
+        return _stub_row(name)
+
+    monkeypatch.setattr(profile_update, "profile_optimizer", stub)
+    traces = tmp_path / "traces"
     argv = ["--optimizers", "sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
-    argv += ["--band1_tiles", "8x32x2,16x64x4", "--trace_dir", str(tmp_path / "traces")]
+    argv += ["--band1_tiles", "8x32x2,16x64x4", "--trace_dir", str(traces)]
     out = tmp_path / "p.json"
     written = _read(out, profile_update.main([*argv, "--out", str(out)]))
-    assert [row["optimizer"] for row in written["rows"]] == [
-        "sonew_tridiag@8x32x2",
-        "sonew_tridiag@16x64x4",
-    ]
-    assert list((tmp_path / "traces" / "sonew_tridiag@8x32x2").glob("**/perfetto_trace.json.gz"))
-    assert fused.TILES[1] == default
+    labels = ["sonew_tridiag@8x32x2", "sonew_tridiag@16x64x4"]
+    assert [row["optimizer"] for row in written["rows"]] == labels
+    assert seen == [((8, 32, 2), traces / labels[0]), ((16, 64, 4), traces / labels[1])]
+    assert (fused.TILES[1], fused.SCAN_TILE) == default
 
 
 def _stub_row(name: str) -> dict:
