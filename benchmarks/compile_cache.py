@@ -13,7 +13,8 @@ entry (``cold``), the second reads it (``warm``). Each process reports:
 * ``lower_s``: tracing and lowering to StableHLO (Pallas lowers its kernels to Triton IR here),
   which every process pays: the cache is looked up with the lowered module;
 * ``compile_s``: ``.compile()``, what the cache saves;
-* whether JAX logged a persistent-cache hit for ``jit_update``;
+* whether JAX loaded ``jit_update`` from the cache (``trainer.CacheHits``, the trainer's own
+  count for its first-step log);
 * a checksum of the parameters after ``--steps`` updates of the same random gradient.
 
 JAX writes an entry only when a compile took ``jax_persistent_cache_min_compile_time_secs``
@@ -29,7 +30,6 @@ Usage: ``python benchmarks/compile_cache.py [--optimizers sonew_band4_lag_pallas
 
 import argparse
 import json
-import logging
 import subprocess
 import sys
 import tempfile
@@ -57,44 +57,24 @@ COLUMNS = (
     "warm_hit",
     "same_result",
 )
-# What JAX's compiler module logs (at DEBUG) when it loads an executable from the cache.
-_HIT = "Persistent compilation cache hit for 'jit_update'"
-
-
-class _Hits(logging.Handler):
-    """Counts JAX's persistent-cache hits for ``jit_update``."""
-
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.count = 0
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.count += record.getMessage().startswith(_HIT)
 
 
 def compile_once(name: str, cache_dir: str, args: argparse.Namespace) -> dict:
     """In this process: ``name``'s update compiled inside the cache at ``cache_dir``, then run
     ``args.steps`` times; its seconds, whether the cache hit, and the parameters' checksum."""
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    logger = logging.getLogger("jax._src.compiler")
-    hits, level = _Hits(), logger.level
-    logger.addHandler(hits)
-    logger.setLevel(logging.DEBUG)
     shapes = lm_shapes.from_args(args)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=update_speed.GRAD_STD)
     with common.fused_constants(args.fused):
         tx = update_speed.make_optimizer(name)
         update, (params, state) = update_speed.fresh_update(tx, shapes)
-        try:
-            with trainer.persistent_compilation_cache(cache_dir):
-                start = time.perf_counter()
-                lowered = update.lower(params, state, grads)
-                lowered_at = time.perf_counter()
-                compiled = lowered.compile()
-                compiled_at = time.perf_counter()
-        finally:
-            logger.removeHandler(hits)
-            logger.setLevel(level)
+        # Only jit_update compiles in here.
+        with trainer.persistent_compilation_cache(cache_dir), trainer.CacheHits() as hits:
+            start = time.perf_counter()
+            lowered = update.lower(params, state, grads)
+            lowered_at = time.perf_counter()
+            compiled = lowered.compile()
+            compiled_at = time.perf_counter()
         for _ in range(args.steps):
             params, state = compiled(params, state, grads)
     leaves = jax.tree.leaves(jax.device_get(params))

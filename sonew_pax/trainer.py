@@ -268,30 +268,39 @@ def persistent_compilation_cache(path: str | None):
 _CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 
 
+class CacheHits:
+    """Within ``with``: counts (``count``) the executables JAX loads from its persistent
+    compilation cache, by JAX's monitoring event for each."""
+
+    def __init__(self):
+        self.count = 0
+
+    def _listen(self, event: str, **_) -> None:
+        self.count += event == _CACHE_HIT_EVENT
+
+    def __enter__(self) -> "CacheHits":
+        jax.monitoring.register_event_listener(self._listen)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        jax.monitoring.unregister_event_listener(self._listen)
+
+
 @contextlib.contextmanager
 def first_step_log():
     """Logs before and after the block (a run's first step, whose metrics it waits for) how long
     it took, compiling included, and how many programs JAX loaded from the persistent compilation
     cache meanwhile: on a GPU, SONew's kernels make the first step of a large model take minutes
     to compile, and a resumed run should load it instead (:func:`persistent_compilation_cache`)."""
-    hits = 0
-
-    def count(event: str, **_) -> None:
-        nonlocal hits
-        hits += event == _CACHE_HIT_EVENT
-
     logging.info("First step: compiling the train step")
-    jax.monitoring.register_event_listener(count)
     start = time.perf_counter()
-    try:
+    with CacheHits() as hits:
         yield
-    finally:
-        jax.monitoring.unregister_event_listener(count)
     logging.info(
         "First step done in %.1f s, compiling included (%d program(s) loaded from the "
         "compilation cache)",
         time.perf_counter() - start,
-        hits,
+        hits.count,
     )
 
 
