@@ -19,6 +19,7 @@ import common
 import compile_cache
 import kernel_speed
 import lm_shapes
+import lowering
 import profile_update
 import sharded_update
 import train_step
@@ -390,3 +391,20 @@ def test_compile_cache_schema(tmp_path):
     assert row["warm_hit"] is True and row["same_result"] is True
     assert all(_finite(row[k]) and row[k] > 0 for k in compile_cache.COLUMNS[1:6])
     assert row["checksums"][0] == row["checksums"][1] > 0
+
+
+def test_lowering_counts_one_walk_program_per_shape(tmp_path, monkeypatch):
+    """Lowered for CUDA on the CPU, band 4's update launches a walk per tensor but lowers one
+    Triton program per tensor shape, also with the halo rows in many launches (two arrays each
+    here); AdamW lowers none."""
+    monkeypatch.setattr(fused, "_HALO_GROUP", 2)
+    out = tmp_path / "lowering.json"
+    argv = [*TINY[:2], "--layers", "2", "--optimizers", "adamw,sonew_band4_lag_pallas"]
+    written = _read(out, lowering.main([*argv, "--out", str(out)]))
+    adamw, band4 = written["rows"]
+    assert adamw["launches"] == adamw["programs"] == 0 and adamw["programs_by_kernel"] == {}
+    shapes = lm_shapes.lm_shapes(scale=float(TINY[1]), layers=2)
+    matrices = [x.shape for x in jax.tree.leaves(shapes) if len(x.shape) == 2]
+    assert band4["programs_by_kernel"]["sonew_band4_scan"] == len(set(matrices))
+    assert band4["launches"] > len(matrices)  # every matrix's walk and the halo launches
+    assert all(_finite(band4[k]) and band4[k] > 0 for k in ("trace_s", "lower_s", "mlir_mb"))

@@ -221,8 +221,9 @@ def test_band_halos_are_each_chunks_first_and_last_rows():
 
 def test_gather_halos_packs_sub_arrays_within_int32(monkeypatch):
     """Band 2's halo launches count ``e``'s off-diagonals as sub-arrays: a launch holds no more
-    sub-arrays than int32 offsets reach (``_MAX_SIZE`` cut to 3 sub-arrays' halo rows here), and
-    every array's rows are where its ``Halo`` says."""
+    sub-arrays than int32 offsets reach (``_MAX_SIZE`` cut to 3 sub-arrays' halo rows here), the
+    launches of one kind of array are of one size, and every array's rows are where its ``Halo``
+    says."""
     shape, band, rows = (20, 6), 2, 8
     per_sub = 3 * (3 * band - 1) * 6  # 3 chunks of 5 halo rows of 6 columns
     monkeypatch.setattr(fused, "_MAX_SIZE", 3 * per_sub)
@@ -232,8 +233,12 @@ def test_gather_halos_packs_sub_arrays_within_int32(monkeypatch):
         for n in (1, 1, 2, 1, 1, 2)  # m, d, e of two tensors
     ]
     halos = fused.gather_halos(arrays, rows, band=band, shapes=[shape] * 6, interpret=True)
-    assert [h.index for h in halos] == [0, 1, 0, 2, 0, 1]  # [m d] [e e m] [d e e]
-    assert len({id(h.buffer) for h in halos}) == 3
+    # Two launches [m d] [m d] of the four one-sub-array arrays (three fit: two launches of two
+    # beat three and one), and one per ``e``.
+    assert [h.index for h in halos] == [0, 1, 0, 0, 1, 0]
+    assert halos[0].buffer is halos[1].buffer and halos[3].buffer is halos[4].buffer
+    assert len({id(h.buffer) for h in halos}) == 4
+    assert {h.buffer.size for h in halos} == {2 * per_sub}
     slots = fused.band_halo_rows(20, rows, band)
     for x, halo in zip(arrays, halos, strict=True):
         expect = np.asarray(x).reshape(-1, 20, 6)[:, slots].reshape(-1)
@@ -475,9 +480,11 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
         assert halo.rows == 16 and halo.buffer.dtype == x.dtype
         np.testing.assert_array_equal(got, expect)
     # (70, 130) and (70, 13, 10) share a view: the first two float32 arrays fill one launch of
-    # two, the third gets its own; bfloat16 and the other views have theirs.
+    # two, the third gets its own, of the same size (it copies that array twice); bfloat16 and
+    # the other views have theirs.
     assert halos[0].buffer is halos[1].buffer and (halos[0].index, halos[1].index) == (0, 1)
     assert halos[5].buffer is not halos[0].buffer and halos[5].index == 0
+    assert halos[5].buffer.shape == halos[0].buffer.shape
     assert len({id(h.buffer) for h in halos}) == 5
 
 
@@ -585,8 +592,9 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
 def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatch, use_kernel):
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
-    whole update (the halo gather of bands >= 1 too) picks the Triton backend, not Mosaic GPU. Two
-    tensors of one shape share one lowered kernel (``fused._step_call``): lowering one per tensor
+    whole update (the halo gather of bands >= 1 too) picks the Triton backend, not Mosaic GPU. Three
+    tensors of one shape share one lowered kernel (``fused._step_call``), also with their halo
+    rows in launches of two (``fused.gather_halos``' equal launches): lowering one per tensor
     took most of the LM set's first step. The banded walk's multiply-adds are PTX ``fma.rn``
     (``fused.FMA``), the other kernels' not."""
     from jax import export
@@ -596,7 +604,8 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
     monkeypatch.setattr(module, "_interpret", lambda: False)
     monkeypatch.setattr(fused, "_ptx", lambda: True)  # an NVIDIA GPU's compile
 
-    params = {"mat": jnp.zeros((70, 130)), "mat2": jnp.zeros((70, 130)), "vec": jnp.zeros((33,))}
+    monkeypatch.setattr(fused, "_HALO_GROUP", 2)
+    params = {f"mat{k}": jnp.zeros((70, 130)) for k in range(3)} | {"vec": jnp.zeros((33,))}
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     step = "step" if kernel == "tile" else "scan"
     expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band >= 1 else set())

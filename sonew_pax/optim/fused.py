@@ -81,7 +81,6 @@ for bands ``2 <= b <= MAX_KERNEL_BAND`` with at least ``2b`` rows along axis 0
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 import os
 import re
@@ -320,10 +319,10 @@ def _halo_rows(i, rows: int, num_rows: int, band: int) -> list:
     return head + [jnp.maximum(last - band + 1 + s, first) for s in range(band)]
 
 
-def _halo_kernel(*refs, view, rows, cols, band, counts):
-    """Program ``(s, i, j)`` copies columns block ``j`` of chunk ``i``'s halo rows of sub-array
-    ``s`` (input ``k`` holds ``counts[k]`` sub-arrays, in order; a branch per input: the refs are
-    static) into its slots."""
+def _halo_kernel(*refs, view, rows, cols, band, subs):
+    """Program ``(s, i, j)`` copies column block ``j`` of chunk ``i``'s halo rows of sub-array
+    ``s`` (input ``k`` holds sub-arrays ``k subs`` to ``(k + 1) subs - 1``; a branch per input:
+    the refs are static) into its slots."""
     *inputs, out_ref = refs
     num_rows, num_cols = view
     size, chunks, span = num_rows * num_cols, pl.cdiv(num_rows, rows), 3 * band - 1
@@ -331,17 +330,14 @@ def _halo_kernel(*refs, view, rows, cols, band, counts):
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
     sources = _halo_rows(i, rows, num_rows, band)
-    start = 0
-    for ref, count in zip(inputs, counts, strict=True):
+    for k, ref in enumerate(inputs):
 
-        @pl.when((s >= start) & (s < start + count))
-        def _copy(ref=ref, start=start):
+        @pl.when(s // subs == k)
+        def _copy(ref=ref, first=k * subs):
             for slot, row in enumerate(sources):
-                x = plgpu.load(ref.at[(s - start) * size + row * num_cols + c], mask=in_cols)
+                x = plgpu.load(ref.at[(s - first) * size + row * num_cols + c], mask=in_cols)
                 at = ((s * chunks + i) * span + slot) * num_cols + c
                 plgpu.store(out_ref.at[at], x, mask=in_cols)
-
-        start += count
 
 
 # Inputs per halo launch (each is a kernel argument and a branch of ``_halo_kernel``).
@@ -361,53 +357,61 @@ def gather_halos(
     kernels overwrite them in place.
 
     Array ``k`` is the state of a parameter of ``shapes[k]`` (default: its own shape): ``m``,
-    ``d``, or ``e`` of ``band`` off-diagonals stacked in front. Arrays of one view shape and
-    dtype share launches (up to ``_HALO_GROUP`` arrays each), so a model's update adds a few
-    small kernels, not one per tensor. ``rows`` is the step kernel's row chunk (default:
-    :func:`default_tile`'s for each view). Returns one :class:`Halo` per array, in order.
+    ``d``, or ``e`` of ``band`` off-diagonals stacked in front. Arrays of one view shape, dtype
+    and number of sub-arrays share launches (up to ``_HALO_GROUP`` arrays each), so a model's
+    update adds a few small kernels, not one per tensor. Those launches are of equal size (a
+    short last one repeats its last array), so the buffers of such arrays all have one shape:
+    the step kernels of one tensor shape, which take the buffers as inputs, are then one
+    program (:func:`_step_call`), not one per combination of buffer sizes (the LM set's band-4
+    update, lowered for CUDA on a CPU: 4 banded walks to compile instead of 12, 10.2 s of
+    tracing and lowering instead of 17.9; tridiag: 4 scans instead of 10;
+    ``benchmarks/lowering.py``, results/lowering_cpu_v21.json against _v20). ``rows`` is the step
+    kernel's row chunk (default: :func:`default_tile`'s for each view). Returns one
+    :class:`Halo` per array, in order.
     """
     shapes = shapes or [x.shape for x in arrays]
     groups: dict[tuple, list[int]] = {}
     for k, (x, shape) in enumerate(zip(arrays, shapes, strict=True)):
-        groups.setdefault((tile_view(shape), jnp.dtype(x.dtype)), []).append(k)
+        view = tile_view(shape)
+        groups.setdefault((view, jnp.dtype(x.dtype), x.size // math.prod(view)), []).append(k)
     halos: list[Halo | None] = [None] * len(arrays)
-    for (view, dtype), members in groups.items():
-        num_rows, num_cols = view
+    for (view, dtype, subs), members in groups.items():
         rows_here = rows or default_tile(band, view)[0]
-        chunks, span = pl.cdiv(num_rows, rows_here), 3 * band - 1
-        most = max(1, _MAX_SIZE // (span * chunks * num_cols))  # sub-arrays per int32 buffer
-        counts = {k: arrays[k].size // (num_rows * num_cols) for k in members}
-        launches: list[list[int]] = [[]]
-        for k in members:
-            used = sum(counts[n] for n in launches[-1])
-            if launches[-1] and (len(launches[-1]) == _HALO_GROUP or used + counts[k] > most):
-                launches.append([])
-            launches[-1].append(k)
-        for part in launches:
-            cols = min(_HALO_COLS, pl.next_power_of_2(num_cols))
-            subs = [counts[k] for k in part]
-            gather = pl.pallas_call(
-                _bind(
-                    _halo_kernel,
-                    "sonew_halo",
-                    view=view,
-                    rows=rows_here,
-                    cols=cols,
-                    band=band,
-                    counts=tuple(subs),
-                ),
-                grid=(sum(subs), chunks, pl.cdiv(num_cols, cols)),
-                out_shape=jax.ShapeDtypeStruct((sum(subs) * span * chunks * num_cols,), dtype),
-                interpret=interpret,
-                # Triton's parameters select Triton: without them jax 0.10 lowers for Mosaic GPU,
-                # whose copies reject these rows (tests/test_fused.py lowers both for CUDA).
-                compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
-                name="sonew_halo",
-            )
-            buffer = gather(*(arrays[k].reshape(-1) for k in part))
-            for k, index in zip(part, [0, *itertools.accumulate(subs)][:-1], strict=True):
-                halos[k] = Halo(buffer, index, rows_here)
+        one = subs * (3 * band - 1) * pl.cdiv(view[0], rows_here) * view[1]  # an array's halo
+        most = min(_HALO_GROUP, max(1, _MAX_SIZE // one))  # arrays per int32-indexed buffer
+        per = pl.cdiv(len(members), pl.cdiv(len(members), most))
+        gather = _halo_call(view, dtype, rows_here, band, subs, per, interpret)
+        for first in range(0, len(members), per):
+            part = [arrays[k].reshape(-1) for k in members[first : first + per]]
+            # A short last launch repeats its last array: every launch, and so every buffer, is
+            # the same (see the docstring).
+            buffer = gather(*part, *part[-1:] * (per - len(part)))
+            for slot, k in enumerate(members[first : first + per]):
+                halos[k] = Halo(buffer, slot * subs, rows_here)
     return halos
+
+
+@functools.cache
+def _halo_call(
+    view: tuple[int, int], dtype, rows: int, band: int, subs: int, count: int, interpret: bool
+) -> Callable:
+    """:func:`gather_halos`' launch for ``count`` arrays of ``subs`` sub-arrays each of one
+    ``view`` and ``dtype``, jitted and cached (as :func:`_step_call`): its launches lower to one
+    Triton module."""
+    num_rows, num_cols = view
+    chunks, span = pl.cdiv(num_rows, rows), 3 * band - 1
+    cols = min(_HALO_COLS, pl.next_power_of_2(num_cols))
+    gather = pl.pallas_call(
+        _bind(_halo_kernel, "sonew_halo", view=view, rows=rows, cols=cols, band=band, subs=subs),
+        grid=(count * subs, chunks, pl.cdiv(num_cols, cols)),
+        out_shape=jax.ShapeDtypeStruct((count * subs * span * chunks * num_cols,), dtype),
+        interpret=interpret,
+        # Triton's parameters select Triton: without them jax 0.10 lowers for Mosaic GPU, whose
+        # copies reject these rows (tests/test_fused.py lowers both for CUDA).
+        compiler_params=None if interpret else plgpu.CompilerParams(num_warps=4),
+        name="sonew_halo",
+    )
+    return jax.jit(gather)
 
 
 def _across_chunks(i, c, shape: tuple[int, ...], rows: int, step: int) -> tuple:

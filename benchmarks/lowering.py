@@ -1,0 +1,169 @@
+"""An update's lowering for a GPU: the host's seconds, and how many Triton programs it asks for.
+
+A first step on a GPU traces the update, lowers it to StableHLO (Pallas lowers each kernel launch to
+a Triton module) and compiles it; XLA compiles every distinct Triton module once. SONew's kernels
+therefore make a first step slow in two ways: the host's tracing and lowering, and one Triton
+compile per distinct program (long for the banded walk: ``fused._MAX_BANDED_GROUP``). Neither needs
+a GPU to count: JAX lowers for CUDA on any machine (``Traced.lower(lowering_platforms=("cuda",))``),
+so this also runs on a CPU, with SONew's compiled kernel path forced (not Pallas' interpreter, as
+``tests/test_fused.py::test_kernels_lower_to_triton_for_cuda`` does). Nothing is allocated: the
+update is traced on abstract arrays, so the full 335M-parameter set lowers on a laptop.
+
+Per optimizer (each with empty tracing caches): ``trace_s`` (Python tracing to a jaxpr, the
+Pallas kernels' bodies included), ``lower_s`` (to StableHLO, the kernels to Triton IR), the
+module's size, ``launches`` (Triton calls in the update) and ``programs`` (distinct Triton
+modules among them, what XLA compiles), also per kernel name. On a GPU, ``compile_cache.py``
+times the compile itself.
+
+Output: a table, and ``--out`` (default ``benchmarks/results/lowering.json``) ``{"device",
+"date", "params", "config", "rows": [{"optimizer", "trace_s", "lower_s", "mlir_mb", "launches",
+"programs", "programs_by_kernel"}]}``.
+
+Usage: ``python benchmarks/lowering.py [--optimizers sonew_band4_lag_pallas] [--layers 24]``.
+"""
+
+import argparse
+import collections
+import contextlib
+import functools
+import importlib
+import re
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import common
+import lm_shapes
+import update_speed
+
+from sonew_pax.optim import fused
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lowering.json"
+COLUMNS = ("optimizer", "trace_s", "lower_s", "mlir_mb", "launches", "programs", "kernels")
+# A function of the lowered module (its name), and a call of one.
+_FUNCTION = re.compile(r"func\.func (?:public |private )?@(\w+)\(")
+_CALL = re.compile(r"\bcall @(\w+)\(")
+
+
+@contextlib.contextmanager
+def compiled_kernels() -> Iterator[None]:
+    """SONew's kernels as they lower on an NVIDIA GPU, on any backend: compiled, not in Pallas'
+    interpreter, their multiply-adds as PTX (``fused._ptx``)."""
+    sonew = importlib.import_module("sonew_pax.optim.sonew")  # the package's name is the function
+    saved = sonew._interpret, fused._ptx
+    sonew._interpret, fused._ptx = (lambda: False), (lambda: True)
+    try:
+        yield
+    finally:
+        sonew._interpret, fused._ptx = saved
+
+
+def triton_programs(text: str) -> tuple[int, dict[str, set[str]]]:
+    """In a lowered module's ``text``: how many Triton kernels it launches, and per kernel name
+    the set of its distinct Triton modules (JAX emits a function per distinct lowering, called
+    from each launch, maybe through other functions)."""
+    starts = [(m.start(), m.group(1)) for m in _FUNCTION.finditer(text)]
+    ends = [s for s, _ in starts[1:]] + [len(text)]
+    bodies = {name: text[start:end] for (start, name), end in zip(starts, ends, strict=True)}
+    calls = {name: collections.Counter(_CALL.findall(body)) for name, body in bodies.items()}
+
+    @functools.cache
+    def times(name: str) -> int:
+        """How often function ``name`` runs in one run of the module (``main``)."""
+        if name == "main":
+            return 1
+        return sum(n[name] * times(caller) for caller, n in calls.items() if name in n)
+
+    launches, programs = 0, collections.defaultdict(set)
+    for name, body in bodies.items():
+        kernels = re.findall(r'ir = "((?:[^"\\]|\\.)*)".*?name = "(\w+)"', body)
+        launches += len(kernels) * times(name)
+        for ir, kernel in kernels:
+            programs[kernel].add(ir)
+    return launches, programs
+
+
+def lower(name: str, args: argparse.Namespace) -> dict:
+    """``name``'s donated update of the LM set (``update_speed.make_update``), lowered for CUDA."""
+    fused._step_call.cache_clear()
+    fused._halo_call.cache_clear()
+    jax.clear_caches()
+    shapes = lm_shapes.from_args(args)
+    with common.fused_constants(args.fused), compiled_kernels():
+        tx = update_speed.make_optimizer(name)
+        update = update_speed.make_update(tx)
+        state = jax.eval_shape(tx.init, shapes)
+        start = time.perf_counter()
+        traced = update.trace(shapes, state, shapes)
+        traced_at = time.perf_counter()
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        lowered_at = time.perf_counter()
+    launches, programs = triton_programs(text)
+    return {
+        "optimizer": name,
+        "trace_s": traced_at - start,
+        "lower_s": lowered_at - traced_at,
+        "mlir_mb": len(text.encode()) / 1e6,
+        "launches": launches,
+        "programs": sum(map(len, programs.values())),
+        "programs_by_kernel": {k: len(v) for k, v in sorted(programs.items())},
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--optimizers",
+        default="adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas",
+        help=f"comma-separated subset of {','.join(update_speed.OPTIMIZERS)}",
+    )
+    lm_shapes.add_args(p)
+    common.add_fused_arg(p)
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    args = p.parse_args(argv)
+    args.names = [n for n in args.optimizers.split(",") if n]
+    unknown = set(args.names) - set(update_speed.OPTIMIZERS)
+    if unknown:
+        p.error(f"unknown optimizers {sorted(unknown)}; choose from {update_speed.OPTIMIZERS}")
+    return args
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object (rewritten after
+    every optimizer, so a run cut short keeps what it measured)."""
+    args = parse_args(argv)
+    shapes = lm_shapes.from_args(args)
+    result = {
+        "device": common.device_name(),
+        "date": common.utc_date(),
+        "params": lm_shapes.count(shapes),
+        "config": {
+            "scale": args.scale,
+            "layers": args.layers,
+            "platform": "cuda",
+            "jax": jax.__version__,
+            **common.fused_config(args.fused),
+        },
+        "rows": [],
+    }
+    for name in args.names:
+        row = lower(name, args)
+        result["rows"].append(row)
+        print(f"{name}: lowered in {row['trace_s'] + row['lower_s']:.1f} s", flush=True)
+        common.write_json(args.out, result)
+    rows = [
+        {**r, "kernels": " ".join(f"{k}:{n}" for k, n in r["programs_by_kernel"].items())}
+        for r in result["rows"]
+    ]
+    print(f"\nlowered for CUDA on {result['device']}, {result['params'] / 1e6:.1f}M parameters\n")
+    print(common.format_table(rows, COLUMNS))
+    return result
+
+
+if __name__ == "__main__":
+    main()
