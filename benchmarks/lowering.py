@@ -11,13 +11,14 @@ update is traced on abstract arrays, so the full 335M-parameter set lowers on a 
 
 Per optimizer (each with empty tracing caches): ``trace_s`` (Python tracing to a jaxpr, the
 Pallas kernels' bodies included), ``lower_s`` (to StableHLO, the kernels to Triton IR), the
-module's size, ``launches`` (Triton calls in the update) and ``programs`` (distinct Triton
-modules among them, what XLA compiles), also per kernel name. On a GPU, ``compile_cache.py``
+module's size, ``launches`` (Triton calls in the update), ``programs`` (distinct Triton
+modules among them, what XLA compiles), also per kernel name, and ``triton_mb`` (their bytecode's
+size, in MB: what Triton compiles). On a GPU, ``compile_cache.py``
 times the compile itself.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/lowering.json``) ``{"device",
 "date", "params", "config", "rows": [{"optimizer", "trace_s", "lower_s", "mlir_mb", "launches",
-"programs", "programs_by_kernel"}]}``.
+"programs", "triton_mb", "programs_by_kernel"}]}``.
 
 Usage: ``python benchmarks/lowering.py [--optimizers sonew_band4_lag_pallas] [--layers 24]``.
 """
@@ -43,7 +44,16 @@ import update_speed
 from sonew_pax.optim import fused
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lowering.json"
-COLUMNS = ("optimizer", "trace_s", "lower_s", "mlir_mb", "launches", "programs", "kernels")
+COLUMNS = (
+    "optimizer",
+    "trace_s",
+    "lower_s",
+    "mlir_mb",
+    "launches",
+    "programs",
+    "triton_mb",
+    "kernels",
+)
 # A function of the lowered module (its name), and a call of one.
 _FUNCTION = re.compile(r"func\.func (?:public |private )?@(\w+)\(")
 _CALL = re.compile(r"\bcall @(\w+)\(")
@@ -87,6 +97,11 @@ def triton_programs(text: str) -> tuple[int, dict[str, set[str]]]:
     return launches, programs
 
 
+def _bytes(ir: str) -> int:
+    """The length of a Triton module's bytecode, from its escaped form in the module's text."""
+    return len(re.sub(r"\\[0-9A-Fa-f]{2}|\\.", "x", ir))
+
+
 def lower(name: str, args: argparse.Namespace) -> dict:
     """``name``'s donated update of the LM set (``update_speed.make_update``), lowered for CUDA."""
     fused._step_call.cache_clear()
@@ -110,6 +125,7 @@ def lower(name: str, args: argparse.Namespace) -> dict:
         "mlir_mb": len(text.encode()) / 1e6,
         "launches": launches,
         "programs": sum(map(len, programs.values())),
+        "triton_mb": sum(_bytes(ir) for irs in programs.values() for ir in irs) / 1e6,
         "programs_by_kernel": {k: len(v) for k, v in sorted(programs.items())},
     }
 

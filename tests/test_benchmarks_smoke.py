@@ -407,4 +407,6 @@ def test_lowering_counts_one_walk_program_per_shape(tmp_path, monkeypatch):
     matrices = [x.shape for x in jax.tree.leaves(shapes) if len(x.shape) == 2]
     assert band4["programs_by_kernel"]["sonew_band4_scan"] == len(set(matrices))
     assert band4["launches"] > len(matrices)  # every matrix's walk and the halo launches
-    assert all(_finite(band4[k]) and band4[k] > 0 for k in ("trace_s", "lower_s", "mlir_mb"))
+    assert adamw["triton_mb"] == 0
+    for key in ("trace_s", "lower_s", "mlir_mb", "triton_mb"):
+        assert _finite(band4[key]) and band4[key] > 0, key

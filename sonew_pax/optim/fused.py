@@ -312,32 +312,38 @@ class Halo(NamedTuple):
     rows: int
 
 
-def _halo_rows(i, rows: int, num_rows: int, band: int) -> list:
-    """Rows of the view in chunk ``i``'s halo slots, as :func:`band_halo_rows`."""
+def _halo_rows(i, rows: int, num_rows: int, band: int) -> tuple[jax.Array, jax.Array]:
+    """The rows of the view in chunk ``i``'s halo slots, as :func:`band_halo_rows`, as a vector
+    over the slots padded to a power of two, and which of its entries are slots."""
     first, last = _chunk_rows(i, rows, num_rows)
-    head = [jnp.minimum(first + s, last) for s in range(2 * band - 1)]
-    return head + [jnp.maximum(last - band + 1 + s, first) for s in range(band)]
+    head, span = 2 * band - 1, 3 * band - 1
+    slot = jnp.arange(pl.next_power_of_2(span), dtype=jnp.int32)
+    tail = jnp.maximum(last - band + 1 + slot - head, first)
+    return jnp.where(slot < head, jnp.minimum(first + slot, last), tail), slot < span
 
 
 def _halo_kernel(*refs, view, rows, cols, band, subs):
     """Program ``(s, i, j)`` copies column block ``j`` of chunk ``i``'s halo rows of sub-array
     ``s`` (input ``k`` holds sub-arrays ``k subs`` to ``(k + 1) subs - 1``; a branch per input:
-    the refs are static) into its slots."""
+    the refs are static) into its slots, all slots in one masked load and store of a block of
+    ``next_pow2(3b - 1)`` rows. (Unrolled row by row, band 4's halo programs were four to five
+    times a banded walk's Triton IR: the LM set's update lowered 1.50 MB of Triton bytecode in 9.7
+    s on a CPU, now 0.50 MB in 3.5 s; results/lowering_cpu_v22.json.)"""
     *inputs, out_ref = refs
     num_rows, num_cols = view
     size, chunks, span = num_rows * num_cols, pl.cdiv(num_rows, rows), 3 * band - 1
     s, i, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
-    in_cols = c < num_cols
-    sources = _halo_rows(i, rows, num_rows, band)
+    sources, slots = _halo_rows(i, rows, num_rows, band)
+    mask = slots[:, None] & (c < num_cols)[None, :]
+    slot = jnp.arange(sources.shape[0], dtype=jnp.int32)
+    at = ((s * chunks + i) * span + slot[:, None]) * num_cols + c[None, :]
     for k, ref in enumerate(inputs):
 
         @pl.when(s // subs == k)
         def _copy(ref=ref, first=k * subs):
-            for slot, row in enumerate(sources):
-                x = plgpu.load(ref.at[(s - first) * size + row * num_cols + c], mask=in_cols)
-                at = ((s * chunks + i) * span + slot) * num_cols + c
-                plgpu.store(out_ref.at[at], x, mask=in_cols)
+            offsets = (s - first) * size + sources[:, None] * num_cols + c[None, :]
+            plgpu.store(out_ref.at[at], plgpu.load(ref.at[offsets], mask=mask), mask=mask)
 
 
 # Inputs per halo launch (each is a kernel argument and a branch of ``_halo_kernel``).
@@ -363,8 +369,8 @@ def gather_halos(
     short last one repeats its last array), so the buffers of such arrays all have one shape:
     the step kernels of one tensor shape, which take the buffers as inputs, are then one
     program (:func:`_step_call`), not one per combination of buffer sizes (the LM set's band-4
-    update, lowered for CUDA on a CPU: 4 banded walks to compile instead of 12, 10.2 s of
-    tracing and lowering instead of 17.9; tridiag: 4 scans instead of 10;
+    update, lowered for CUDA on a CPU: 4 banded walks to compile instead of 12, 9.7 s of
+    tracing and lowering instead of 18.3; tridiag: 4 scans instead of 10;
     ``benchmarks/lowering.py``, results/lowering_cpu_v21.json against _v20). ``rows`` is the step
     kernel's row chunk (default: :func:`default_tile`'s for each view). Returns one
     :class:`Halo` per array, in order.
