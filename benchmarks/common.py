@@ -44,6 +44,27 @@ def add_model_args(
         parser.add_argument("--seq_len", type=int, default=seq_len, help="tokens per sequence")
 
 
+def add_optimizers_arg(parser: argparse.ArgumentParser, known: Sequence[str], default: str) -> None:
+    """Adds ``--optimizers``: a comma-separated, non-empty subset of ``known`` (parsed to a list;
+    else a usage error that names the unknown ones)."""
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = sorted(set(names) - set(known))
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(
+                f"unknown optimizers {unknown}; choose from {','.join(known)}"
+            )
+        return names
+
+    parser.add_argument(
+        "--optimizers",
+        type=parse,
+        default=default,
+        help=f"comma-separated subset of {','.join(known)}",
+    )
+
+
 def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer ``>= minimum``, else a usage error that says so."""
 

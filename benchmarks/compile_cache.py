@@ -125,10 +125,8 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--optimizers",
-        default="adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas",
-        help=f"comma-separated subset of {','.join(update_speed.OPTIMIZERS)}",
+    common.add_optimizers_arg(
+        p, update_speed.OPTIMIZERS, "adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas"
     )
     lm_shapes.add_args(p)
     p.add_argument(
@@ -137,13 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_fused_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)  # the cache directory of one process
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
-    args = p.parse_args(argv)
-    names = [n for n in args.optimizers.split(",") if n]
-    unknown = set(names) - set(update_speed.OPTIMIZERS)
-    if unknown:
-        p.error(f"unknown optimizers {sorted(unknown)}; choose from {update_speed.OPTIMIZERS}")
-    args.names = names
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> dict:
@@ -151,7 +143,7 @@ def main(argv=None) -> dict:
     every optimizer, so a run cut short keeps what it measured)."""
     args = parse_args(argv)
     if args.child:
-        (name,) = args.names
+        (name,) = args.optimizers
         result = compile_once(name, args.child, args)
         common.write_json(args.out, result)
         return result
@@ -170,7 +162,7 @@ def main(argv=None) -> dict:
         },
         "rows": [],
     }
-    for name in args.names:
+    for name in args.optimizers:
         result["rows"].append(measure(name, args))
         print(f"{name}: compiled in {result['rows'][-1]['cold_compile_s']:.1f} s", flush=True)
         common.write_json(args.out, result)

@@ -185,10 +185,8 @@ def band1(kernel: str, tile: tuple[int, int, int] | None, stack: int | None = No
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument(
-        "--optimizers",
-        default="adamw,sonew_tridiag,sonew_tridiag_pallas",
-        help=f"comma-separated subset of {','.join(update_speed.OPTIMIZERS)}",
+    common.add_optimizers_arg(
+        p, update_speed.OPTIMIZERS, "adamw,sonew_tridiag,sonew_tridiag_pallas"
     )
     common.add_timing_args(p, warmup=3, iters=5)
     lm_shapes.add_args(p)
@@ -231,10 +229,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     """Profiles every optimizer, prints the tables, writes and returns the JSON object."""
     args = parse_args(argv)
-    names = [n for n in args.optimizers.split(",") if n]
-    unknown = set(names) - set(update_speed.OPTIMIZERS)
-    if unknown:
-        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose {update_speed.OPTIMIZERS}")
     shapes = lm_shapes.from_args(args)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=args.grad_std)
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="profile_update_"))
@@ -259,7 +253,7 @@ def main(argv=None) -> dict:
         suffix = [kernel] if args.band1_kernels else []
         suffix += ["x".join(map(str, tile))] if tile else []
         suffix += [f"s{stack}"] if stack else []
-        for name in names:
+        for name in args.optimizers:
             label = f"{name}@{':'.join(suffix)}" if suffix else name
             with common.fused_constants(args.fused), band1(kernel, tile, stack):
                 row = profile_optimizer(name, shapes, grads, args, trace_dir / label)

@@ -104,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t = p.add_argument_group("train part (train_step)")
     common.add_model_args(t, model="350m", dtype="bfloat16", batch_size=16, seq_len=1024)
     t.add_argument("--train_layers", type=int, help="override the model's number of layers")
-    t.add_argument("--optimizers", default="adamw,sonew_tridiag", help="train_step optimizers")
+    common.add_optimizers_arg(t, train_step.OPTIMIZERS, "adamw,sonew_tridiag")
     t.add_argument("--meshes", default="", help="DATAxMODEL list, e.g. 4x1,2x2,1x4")
     common.add_timing_args(t, warmup=2, iters=10)
     t.add_argument("--loss_rtol", type=float, default=1e-2, help="loss gap counted as agreeing")
@@ -310,13 +310,12 @@ def loss_agreement(rows: list[dict], rtol: float) -> dict:
 
 def run_train(args: argparse.Namespace, result: dict) -> dict:
     """The train part: for each mesh, each optimizer; outputs rewritten after every row."""
-    names = [n for n in args.optimizers.split(",") if n]
     meshes = parse_meshes(args.meshes, result["devices"])
     uneven = [m for m in meshes if args.batch_size % m[0]]
     if uneven:
         raise SystemExit(f"--batch_size {args.batch_size} does not divide over meshes {uneven}")
     for mesh in meshes:
-        for name in names:
+        for name in args.optimizers:
             row = train_row(name, mesh, args)
             result["train_rows"].append(row)
             result["loss_agreement"] = loss_agreement(result["train_rows"], args.loss_rtol)

@@ -266,11 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_model_args(
         p, model="350m", dtype="bfloat16", layers=True, batch_size=8, seq_len=1024
     )
-    p.add_argument(
-        "--optimizers",
-        default=",".join(OPTIMIZERS),
-        help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
-    )
+    common.add_optimizers_arg(p, OPTIMIZERS, ",".join(OPTIMIZERS))
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
@@ -342,12 +338,8 @@ def main(argv=None) -> dict:
     if args.worker:
         common.write_json(args.row_out, run_one(args.worker, args))
         return {}
-    names = [n for n in args.optimizers.split(",") if n]
-    unknown = set(names) - set(OPTIMIZERS)
-    if unknown or not names:
-        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     rows = []
-    for name in names:
+    for name in args.optimizers:
         row = run_one(name, args) if args.no_isolate else run_isolated(name, args)
         status = row.get("error") or f"{row['step_ms']:.2f} ms"
         print(f"{name}: {status}", flush=True)

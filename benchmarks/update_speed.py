@@ -242,11 +242,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     lm_shapes.add_args(p)
-    p.add_argument(
-        "--optimizers",
-        default=",".join(OPTIMIZERS),
-        help=f"comma-separated subset of {','.join(OPTIMIZERS)}",
-    )
+    common.add_optimizers_arg(p, OPTIMIZERS, ",".join(OPTIMIZERS))
     common.add_timing_args(p, warmup=5, iters=50)
     common.add_fused_arg(p)
     p.add_argument(
@@ -286,16 +282,12 @@ def main(argv=None) -> dict:
     The JSON is rewritten after every optimizer, so a run cut short keeps what it measured.
     """
     args = parse_args(argv)
-    names = [n for n in args.optimizers.split(",") if n]
-    unknown = set(names) - set(OPTIMIZERS)
-    if unknown:
-        raise SystemExit(f"unknown optimizers {sorted(unknown)}; choose from {OPTIMIZERS}")
     shapes = lm_shapes.from_args(args)
     n = lm_shapes.count(shapes)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=GRAD_STD)
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
     rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes), n)]
-    for name in names:
+    for name in args.optimizers:
         with common.fused_constants(args.fused):
             timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))

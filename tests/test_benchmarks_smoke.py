@@ -355,6 +355,18 @@ def test_step_counts_must_be_whole_and_large_enough():
     assert update_speed.parse_args(["--warmup", "0", "--profile_steps", "0"]).warmup == 0
 
 
+def test_optimizers_flag_names_the_unknown_ones(capsys):
+    """Every LM-set script's ``--optimizers``: a list of known names, else a usage error that
+    names the unknown ones; the defaults parse too."""
+    for script in (update_speed, profile_update, compile_cache, lowering, train_step):
+        assert script.parse_args(["--optimizers", "adamw,"]).optimizers == ["adamw"]
+        assert script.parse_args([]).optimizers
+        for bad in ("adamw,nope", ""):
+            with pytest.raises(SystemExit):
+                script.parse_args(["--optimizers", bad])
+        assert "unknown optimizers ['nope']" in capsys.readouterr().err
+
+
 def test_time_dispatch_waits_before_each_call_not_inside_it(monkeypatch):
     """Each of ``iters`` calls starts on a finished carry; the timed span is the call alone."""
     events = []
