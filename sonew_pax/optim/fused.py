@@ -386,27 +386,34 @@ def gather_halos(
         one = subs * (3 * band - 1) * pl.cdiv(view[0], rows_here) * view[1]  # an array's halo
         most = min(_HALO_GROUP, max(1, _MAX_SIZE // one))  # arrays per int32-indexed buffer
         per = pl.cdiv(len(members), pl.cdiv(len(members), most))
-        gather = _halo_call(view, dtype, rows_here, band, subs, per, interpret)
+        cols = min(_HALO_COLS, pl.next_power_of_2(view[1]))
+        gather = _halo_call(view, dtype, rows_here, cols, band, subs, per, interpret)
         for first in range(0, len(members), per):
             part = [arrays[k].reshape(-1) for k in members[first : first + per]]
             # A short last launch repeats its last array: every launch, and so every buffer, is
             # the same (see the docstring).
             buffer = gather(*part, *part[-1:] * (per - len(part)))
-            for slot, k in enumerate(members[first : first + per]):
-                halos[k] = Halo(buffer, slot * subs, rows_here)
+            for position, k in enumerate(members[first : first + per]):
+                halos[k] = Halo(buffer, position * subs, rows_here)
     return halos
 
 
 @functools.cache
 def _halo_call(
-    view: tuple[int, int], dtype, rows: int, band: int, subs: int, count: int, interpret: bool
+    view: tuple[int, int],
+    dtype,
+    rows: int,
+    cols: int,
+    band: int,
+    subs: int,
+    count: int,
+    interpret: bool,
 ) -> Callable:
     """:func:`gather_halos`' launch for ``count`` arrays of ``subs`` sub-arrays each of one
-    ``view`` and ``dtype``, jitted and cached (as :func:`_step_call`): its launches lower to one
-    Triton module."""
+    ``view`` and ``dtype`` (programs of ``cols`` columns), jitted and cached (as
+    :func:`_step_call`): its launches lower to one Triton module."""
     num_rows, num_cols = view
     chunks, span = pl.cdiv(num_rows, rows), 3 * band - 1
-    cols = min(_HALO_COLS, pl.next_power_of_2(num_cols))
     gather = pl.pallas_call(
         _bind(_halo_kernel, "sonew_halo", view=view, rows=rows, cols=cols, band=band, subs=subs),
         grid=(count * subs, chunks, pl.cdiv(num_cols, cols)),
