@@ -150,6 +150,26 @@ def fused_config(overrides: Sequence[tuple[str, Any]]) -> dict[str, dict[str, st
     return {"fused": {name: repr(value) for name, value in overrides}} if overrides else {}
 
 
+def lm_set_result(args: argparse.Namespace, params: int, **config: Any) -> dict:
+    """A result of the LM-set benchmarks (``lm_shapes.add_args``, ``add_fused_arg``) with no rows
+    yet: the device, date, parameter count and a config of the set's ``--scale`` and ``--layers``,
+    the script's own ``config``, JAX's version, ``XLA_FLAGS`` and the ``--fused`` overrides."""
+    return {
+        "device": device_name(),
+        "date": utc_date(),
+        "params": params,
+        "config": {
+            "scale": args.scale,
+            "layers": args.layers,
+            **config,
+            "jax": jax.__version__,
+            "xla_flags": xla_flags(),
+            **fused_config(args.fused),
+        },
+        "rows": [],
+    }
+
+
 def fused_argv(overrides: Sequence[tuple[str, Any]]) -> list[str]:
     """The ``--fused`` flags that give a child process the same overrides."""
     return [arg for name, value in overrides for arg in ("--fused", f"{name}={value!r}")]

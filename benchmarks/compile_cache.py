@@ -148,20 +148,7 @@ def main(argv=None) -> dict:
         common.write_json(args.out, result)
         return result
     shapes = lm_shapes.from_args(args)
-    result = {
-        "device": common.device_name(),
-        "date": common.utc_date(),
-        "params": lm_shapes.count(shapes),
-        "config": {
-            "scale": args.scale,
-            "layers": args.layers,
-            "steps": args.steps,
-            "jax": jax.__version__,
-            "xla_flags": common.xla_flags(),
-            **common.fused_config(args.fused),
-        },
-        "rows": [],
-    }
+    result = common.lm_set_result(args, lm_shapes.count(shapes), steps=args.steps)
     for name in args.optimizers:
         result["rows"].append(measure(name, args))
         print(f"{name}: compiled in {result['rows'][-1]['cold_compile_s']:.1f} s", flush=True)

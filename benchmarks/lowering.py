@@ -147,19 +147,7 @@ def main(argv=None) -> dict:
     every optimizer, so a run cut short keeps what it measured)."""
     args = parse_args(argv)
     shapes = lm_shapes.from_args(args)
-    result = {
-        "device": common.device_name(),
-        "date": common.utc_date(),
-        "params": lm_shapes.count(shapes),
-        "config": {
-            "scale": args.scale,
-            "layers": args.layers,
-            "platform": "cuda",
-            "jax": jax.__version__,
-            **common.fused_config(args.fused),
-        },
-        "rows": [],
-    }
+    result = common.lm_set_result(args, lm_shapes.count(shapes), platform="cuda")
     for name in args.optimizers:
         row = lower(name, args)
         result["rows"].append(row)

@@ -232,17 +232,8 @@ def main(argv=None) -> dict:
     shapes = lm_shapes.from_args(args)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=args.grad_std)
     trace_dir = args.trace_dir or Path(tempfile.mkdtemp(prefix="profile_update_"))
-    result = {
-        "device": common.device_name(),
-        "date": common.utc_date(),
-        "params": lm_shapes.count(shapes),
-        "config": {
-            **{k: getattr(args, k) for k in ("iters", "warmup", "scale", "layers", "grad_std")},
-            "xla_flags": common.xla_flags(),
-            **common.fused_config(args.fused),
-        },
-        "rows": [],
-    }
+    config = {k: getattr(args, k) for k in ("iters", "warmup", "grad_std")}
+    result = common.lm_set_result(args, lm_shapes.count(shapes), **config)
     settings = [
         (kernel, tile, stack)
         for kernel in args.band1_kernels or [fused.BAND1_KERNEL]

@@ -258,22 +258,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def build_result(rows: list[dict], n: int, args: argparse.Namespace) -> dict:
     """The JSON object for the rows measured so far."""
-    return {
-        "device": common.device_name(),
-        "date": common.utc_date(),
-        "params": n,
-        "config": {
-            "scale": args.scale,
-            "layers": args.layers,
-            "warmup": args.warmup,
-            "iters": args.iters,
-            "profile_steps": args.profile_steps,
-            "jax": jax.__version__,
-            "xla_flags": common.xla_flags(),
-            **common.fused_config(args.fused),
-        },
-        "rows": add_ratios(rows),
-    }
+    config = {k: getattr(args, k) for k in ("warmup", "iters", "profile_steps")}
+    return {**common.lm_set_result(args, n, **config), "rows": add_ratios(rows)}
 
 
 def main(argv=None) -> dict:
