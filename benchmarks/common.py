@@ -127,6 +127,25 @@ def add_fused_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def add_concurrent_arg(parser: argparse.ArgumentParser) -> None:
+    """``--concurrent``: jit every row's step with ``optim.concurrent_jit`` (its executable may run
+    independent GPU kernels at once; SONew's bands >= 2 walk longer chunks), as ``args.concurrent``;
+    :func:`lm_set_result` records it."""
+    parser.add_argument(
+        "--concurrent",
+        action="store_true",
+        help="jit each optimizer's step with sonew_pax.optim.concurrent_jit (XLA's concurrent "
+        "command-buffer scheduling for that executable alone), AdamW's too",
+    )
+
+
+def jit_for(args: argparse.Namespace) -> Callable:
+    """``jax.jit``, or ``optim.concurrent_jit`` under ``--concurrent``."""
+    from sonew_pax import optim  # lazy, as in fused_constants
+
+    return optim.concurrent_jit if getattr(args, "concurrent", False) else jax.jit
+
+
 @contextlib.contextmanager
 def fused_constants(overrides: Sequence[tuple[str, Any]]) -> Iterator[None]:
     """Within: the constants of ``fused`` set to ``overrides`` (``(name, value)`` pairs); restored
@@ -162,6 +181,7 @@ def lm_set_result(args: argparse.Namespace, params: int, **config: Any) -> dict:
             "scale": args.scale,
             "layers": args.layers,
             **config,
+            "concurrent": getattr(args, "concurrent", False),
             "jax": jax.__version__,
             "xla_flags": xla_flags(),
             **fused_config(args.fused),

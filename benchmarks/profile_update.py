@@ -9,7 +9,8 @@ events back and reports, per step:
 * ``busy_ms``: the sum of kernel durations on the device, and ``kernels``: how many ran;
 * ``span_ms``: the time at least one kernel ran (the union of their intervals): ``busy_ms``
   where kernels run one after another, less where they overlap (concurrent streams or command
-  buffers, e.g. ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``);
+  buffers: ``--concurrent``, the update jitted with ``optim.concurrent_jit``, or the process's
+  ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``);
 * ``idle_ms`` = ``wall_ms - span_ms``: launch gaps and host overhead;
 * ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
   -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_step``
@@ -138,7 +139,8 @@ def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple
 def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:
     """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name`` (the trace
     kept in ``directory``)."""
-    update, carry = update_speed.fresh_update(update_speed.make_optimizer(name), shapes)
+    tx = update_speed.make_optimizer(name)
+    update, carry = update_speed.fresh_update(tx, shapes, common.jit_for(args))
     for _ in range(args.warmup):
         carry = jax.block_until_ready(update(*carry, grads))
     summary, _ = trace_steps(lambda c: update(*c, grads), carry, args.iters, directory)
@@ -210,6 +212,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         "a program (fused.SCAN_STACK; rows named optimizer@...:sS)",
     )
     common.add_fused_arg(p)
+    common.add_concurrent_arg(p)
     p.add_argument(
         "--grad_std",
         type=float,

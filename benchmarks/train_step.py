@@ -5,8 +5,9 @@ The step is the trainer's own: `sonew_pax.trainer.Trainer` on a one-device mesh 
 from ``configs/models/<model>.gin`` (compute dtype from ``--dtype``, parameters float32), the
 optimizer through `sonew_pax.optimizers.make_optimizer` (global-norm clipping, then the optimizer,
 as in training; weight decay 0.1 on matrices; constant learning rate), and the jitted,
-state-donating train step (forward, backward, update). Batches are random tokens, fixed across
-steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
+state-donating train step (forward, backward, update; ``--concurrent``: jitted by
+``optim.concurrent_jit``, as ``train.concurrent_launches`` does). Batches are random tokens,
+fixed across steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
 ``block_until_ready``; the median is reported. Then ``--iters`` steps run back to back, waited
 on once (``pipelined_ms``, their mean: the host dispatches each step while the device still runs
 the last, as ``Trainer.train`` does).
@@ -154,6 +155,7 @@ def _measure(name: str, args: argparse.Namespace) -> dict:
         rules,
         (args.batch_size, args.seq_len),
         seed=0,
+        concurrent_launches=args.concurrent,
     )
     with partitioning.axis_rules_context(mesh, rules):
         state = trainer.init_state(0)
@@ -228,6 +230,8 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
             argv += [f"--{flag}", str(getattr(args, flag))]
     if args.unsharded_optimizer:
         argv.append("--unsharded_optimizer")
+    if args.concurrent:
+        argv.append("--concurrent")
     return argv + common.fused_argv(args.fused)
 
 
@@ -271,6 +275,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
     common.add_fused_arg(p)
+    common.add_concurrent_arg(p)
     p.add_argument(
         "--profile_steps",
         type=common.int_at_least(0),
@@ -320,6 +325,7 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "warmup": args.warmup,
             "iters": args.iters,
             "unsharded_optimizer": args.unsharded_optimizer,
+            "concurrent": args.concurrent,
             "isolated": not args.no_isolate,
             "jax": jax.__version__,
             "xla_flags": common.xla_flags(),

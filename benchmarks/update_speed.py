@@ -24,8 +24,9 @@ steps per optimizer with ``jax.profiler`` and reports the device's kernel time p
 (``busy_ms``, ``profile_update.py``'s measure) and its ratio to AdamW's: the update's cost on the
 device, which in a training loop the next step's dispatch overlaps; and ``span_ms``, the time at
 least one kernel ran, which is ``busy_ms`` when the kernels run one at a time and less where they
-overlap (``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``; the JSON's config
-records ``XLA_FLAGS``).
+overlap (``--concurrent``: every row's update jitted with ``optim.concurrent_jit``; or the
+process-wide ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``; the JSON's config
+records both).
 
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
@@ -117,17 +118,20 @@ def make_optimizer(name: str) -> optax.GradientTransformation:
     return optim.sonew(LEARNING_RATE, weight_decay=WEIGHT_DECAY, **SONEW_VARIANTS[name])
 
 
-def make_update(tx: optax.GradientTransformation, **jit_kwargs) -> Callable:
+def make_update(
+    tx: optax.GradientTransformation, jit: Callable = jax.jit, **jit_kwargs
+) -> Callable:
     """Jitted ``(params, state, grads) -> (params, state)`` (``optim.apply_gradients``), params and
     state donated.
 
-    ``jit_kwargs`` (e.g. ``in_shardings``, ``out_shardings``) go to ``jax.jit``.
+    ``jit`` is ``jax.jit`` or ``optim.concurrent_jit`` (``common.jit_for``); ``jit_kwargs`` (e.g.
+    ``in_shardings``, ``out_shardings``) go to it.
     """
 
     def update(params, state, grads):
         return optim.apply_gradients(tx, grads, state, params)
 
-    return jax.jit(update, donate_argnums=(0, 1), **jit_kwargs)
+    return jit(update, donate_argnums=(0, 1), **jit_kwargs)
 
 
 def init_state(tx: optax.GradientTransformation, params):
@@ -147,11 +151,12 @@ def floor_bytes(params_shape, state_shape) -> int:
     return 3 * nbytes(params_shape) + 2 * nbytes(state_shape)
 
 
-def fresh_update(tx, shapes) -> tuple[Callable, tuple]:
-    """``tx``'s donated update (:func:`make_update`) and its first ``(params, state)``: random
-    parameters of ``shapes`` and the initial state, on the first device."""
+def fresh_update(tx, shapes, jit: Callable = jax.jit) -> tuple[Callable, tuple]:
+    """``tx``'s donated update (:func:`make_update`, jitted by ``jit``) and its first
+    ``(params, state)``: random parameters of ``shapes`` and the initial state, on the first
+    device."""
     params = lm_shapes.random_tree(shapes, jax.random.key(1))
-    return make_update(tx), (params, init_state(tx, params))
+    return make_update(tx, jit), (params, init_state(tx, params))
 
 
 class Timing(NamedTuple):
@@ -173,7 +178,7 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     """Times ``tx``'s donated update on fresh random parameters; then, with ``profile_steps``,
     traces that many more steps for the device's kernel time and span."""
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
-    update, carry = fresh_update(tx, shapes)
+    update, carry = fresh_update(tx, shapes, common.jit_for(args))
 
     def step(c):
         return update(*c, grads)
@@ -245,6 +250,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_optimizers_arg(p, OPTIMIZERS, ",".join(OPTIMIZERS))
     common.add_timing_args(p, warmup=5, iters=50)
     common.add_fused_arg(p)
+    common.add_concurrent_arg(p)
     p.add_argument(
         "--profile_steps",
         type=common.int_at_least(0),

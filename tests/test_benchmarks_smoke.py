@@ -138,8 +138,10 @@ def test_train_step_schema(tmp_path):
         "--no_isolate",
         "--profile_steps",
         "1",
+        "--concurrent",  # the trainer's train step by optim.concurrent_jit (no-op on CPU)
     ]
     written = _read(out, train_step.main([*argv, "--out", str(out)]))
+    assert written["config"]["concurrent"] is True
     assert [row["optimizer"] for row in written["rows"]] == ["adamw", "sonew_diag"]
     for row in written["rows"]:
         assert _finite(row["step_ms"]) and _finite(row["ratio_vs_adamw"]) and _finite(row["loss"])
@@ -172,6 +174,7 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "BANDED_TILE=(16, 64, 2)",
             "--fused",
             "_BANDED_MIN_ROWS=8",
+            "--concurrent",
         ]
     )
     child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
@@ -188,6 +191,7 @@ def test_train_step_child_argv_round_trips(tmp_path):
         "profile_steps",
         "profile_families",
         "unsharded_optimizer",
+        "concurrent",
     ):
         assert getattr(child, name) == getattr(args, name)
 
@@ -252,11 +256,12 @@ def test_profile_update_reads_device_kernels():
 def test_profile_update_schema(tmp_path):
     out = tmp_path / "profile_update.json"
     argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "1", *TINY]
+    argv += ["--concurrent"]  # each update jitted by optim.concurrent_jit (no-op on CPU)
     returned = profile_update.main(
         [*argv, "--grad_std", "0.5", "--trace_dir", str(tmp_path / "traces"), "--out", str(out)]
     )
     written = _read(out, returned)
-    assert written["config"]["grad_std"] == 0.5
+    assert written["config"]["grad_std"] == 0.5 and written["config"]["concurrent"] is True
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == {"adamw", "sonew_tridiag"}
     for row in rows.values():

@@ -17,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import apply_gradients, fused, sonew
+from sonew_pax.optim import apply_gradients, concurrent_jit, fused, sonew
 from sonew_pax.optim.chain import ChainLayout
 from tests.test_sonew_sharded import make_mesh, run
 
@@ -586,6 +586,27 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]
     monkeypatch.setattr(fused, "_SCAN_LANES", 2**12)  # 2 x 2048 lanes at 32 rows; the first, never
     assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 32]
+
+
+def test_concurrent_jit_scopes_the_schedule_to_its_executable(monkeypatch):
+    """``concurrent_jit`` traces its function under ``concurrent_launches`` (bands >= 2 take
+    ``CONCURRENT_BANDED_TILE``) and hands XLA the options, which the caller's may override; the
+    process's other jits, traced before or after, keep the serial tiles."""
+    monkeypatch.delenv("XLA_FLAGS")
+
+    def tile(x):
+        return x + jnp.asarray(fused.default_tile(4, (1024, 1024)))
+
+    zero = jnp.zeros(3, jnp.int32)
+    serial = fused.default_tile(4, (1024, 1024))
+    assert serial != fused.CONCURRENT_BANDED_TILE
+    assert tuple(jax.jit(tile)(zero).tolist()) == serial
+    assert tuple(concurrent_jit(tile)(zero).tolist()) == fused.CONCURRENT_BANDED_TILE
+    assert tuple(jax.jit(tile)(zero + 0).tolist()) == serial and not fused.concurrent_launches()
+    # The options reach XLA (which checks the enum on every backend); the caller's win.
+    bad = {"xla_gpu_command_buffer_scheduling_mode": "SOMETIMES"}
+    with pytest.raises(Exception, match="SOMETIMES"):
+        concurrent_jit(tile, compiler_options=bad)(zero)
 
 
 @ALL_KERNELS

@@ -3,6 +3,7 @@
 Depends on jax and optax only.
 """
 
+from sonew_pax.optim.fused import concurrent_jit
 from sonew_pax.optim.sharding import state_partition_specs
 from sonew_pax.optim.sonew import (
     DEFAULT_EPS,
@@ -22,6 +23,7 @@ __all__ = [
     "ScaleBySONewState",
     "apply_gradients",
     "chain",
+    "concurrent_jit",
     "scale_by_sonew",
     "sonew",
     "state_partition_specs",

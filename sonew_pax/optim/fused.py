@@ -59,12 +59,17 @@ together, and bands ``b >= 2`` walk longer row chunks (``CONCURRENT_BANDED_TILE`
 band-4 update then kept an H100 busy 9.09 ms (the union of the kernels' intervals, ``span_ms``),
 2.88x AdamW's 3.16, against 13.38 and 3.85x without the flags
 (results/update_speed_v19_concurrent_band4_h100.json, results/update_speed_v16_h100.json); the
-results are the same bit for bit (tests/test_command_buffers.py, run on an H100). The flags are
-the process's, not the update's: under the CONCURRENT mode XLA's buffer assignment keeps apart
-buffers that serial order would share, and AdamW's 350m train step needs 30.0 GiB of temporaries
-instead of 26.7 (it peaked at 34.2 GiB instead of 30.9; ``--xla_gpu_graph_min_graph_size=1``
-alone changes nothing; results/train_step_concurrent_h100.json), so they stay opt-in
-(``CONCURRENT_LAUNCHES=1`` in launch/slurm_gpu.sbatch).
+results are the same bit for bit (tests/test_command_buffers.py, run on an H100). Flags are the
+process's: :func:`concurrent_jit` asks for the same schedule for one executable alone (its
+compile options), e.g. the update's or the trainer's step (``train.concurrent_launches``): the
+band-4 update then took 8.83 ms, 2.80x AdamW's 3.16 under the same jit
+(results/update_speed_v22_concurrent_jit_h100.json). Under the CONCURRENT mode XLA's buffer
+assignment keeps apart buffers that serial order would share: AdamW's 350m train step needs 30.0
+GiB of temporaries instead of 26.7 (it peaked at 34.2 GiB instead of 30.9;
+``--xla_gpu_graph_min_graph_size=1`` alone changes nothing;
+results/train_step_concurrent_h100.json), so it stays opt-in (``concurrent_jit``,
+``train.concurrent_launches``, or ``CONCURRENT_LAUNCHES=1`` in launch/slurm_gpu.sbatch for the
+whole process).
 
 fp32 tridiag moves about 32 B/param in the step kernel and 12 in XLA's pass (36 in all with the
 fused apply), against 28 for a fused AdamW, with a few halo launches per model. The math is
@@ -80,6 +85,7 @@ for bands ``2 <= b <= MAX_KERNEL_BAND`` with at least ``2b`` rows along axis 0
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 import os
@@ -167,6 +173,14 @@ CONCURRENT_BANDED_TILE = (256, 128, 4)
 # The XLA flag under which a GPU executable's independent kernels may overlap (with
 # ``--xla_gpu_graph_min_graph_size=1``, so that every update is one command buffer).
 CONCURRENT_FLAG = "--xla_gpu_command_buffer_scheduling_mode"
+# The same as one executable's compile options (XLA's debug options, which ``jax.jit``'s
+# ``compiler_options`` override per compilation): :func:`concurrent_jit`.
+CONCURRENT_OPTIONS = {
+    "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT",
+    "xla_gpu_graph_min_graph_size": 1,
+}
+# True while :func:`concurrent_jit` traces its function.
+_CONCURRENT_SCOPE = contextvars.ContextVar("sonew_concurrent_launches", default=False)
 # The widest band the kernel takes. Its walk keeps (2b - 1) b correlations in registers and
 # factors two b x b windows per element: on an H200 band 4's kernel beat XLA (the autoencoder's
 # 100 epochs in 6.36 s against 7.91), band 10's lost (36.2 s against 18.9, after minutes of
@@ -189,10 +203,38 @@ _APPLY_SCALARS = ("weight_decay", "scale")
 
 
 def concurrent_launches() -> bool:
-    """Whether this process's ``XLA_FLAGS`` let XLA run a GPU executable's independent kernels at
-    the same time (the last :data:`CONCURRENT_FLAG` given is ``CONCURRENT``)."""
+    """Whether the executable being traced may run its independent GPU kernels at the same time:
+    it is :func:`concurrent_jit`'s, or this process's ``XLA_FLAGS`` say so for every executable
+    (the last :data:`CONCURRENT_FLAG` given is ``CONCURRENT``)."""
+    if _CONCURRENT_SCOPE.get():
+        return True
     modes = re.findall(rf"{CONCURRENT_FLAG}=(\w+)", os.environ.get("XLA_FLAGS", ""))
     return bool(modes) and modes[-1].upper() == "CONCURRENT"
+
+
+def concurrent_jit(fun: Callable, **jit_kwargs: Any) -> Callable:
+    """``jax.jit(fun, **jit_kwargs)`` whose executable may run independent GPU kernels at the same
+    time (:data:`CONCURRENT_OPTIONS` as its ``compiler_options``), with SONew's kernels traced
+    for that (:func:`concurrent_launches`: bands >= 2 walk ``CONCURRENT_BANDED_TILE`` chunks).
+
+    The process-wide ``XLA_FLAGS`` do the same for every executable; this confines the cost to
+    one. Under the concurrent schedule XLA's buffer assignment keeps apart the buffers of kernels
+    that may overlap: AdamW's 350m train step needed 30.0 GiB of temporaries instead of 26.7
+    (results/train_step_memory_flags_h100.json). Jitting only the step that runs SONew's update
+    leaves every other executable (evaluation, initialisation) as it was. Other backends ignore
+    the options.
+    """
+    options = {**CONCURRENT_OPTIONS, **(jit_kwargs.pop("compiler_options", None) or {})}
+
+    @functools.wraps(fun)
+    def traced(*args, **kwargs):
+        token = _CONCURRENT_SCOPE.set(True)
+        try:
+            return fun(*args, **kwargs)
+        finally:
+            _CONCURRENT_SCOPE.reset(token)
+
+    return jax.jit(traced, compiler_options=options, **jit_kwargs)
 
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -338,6 +380,10 @@ def _halo_kernel(*refs, view, rows, cols, band, subs):
     mask = slots[:, None] & (c < num_cols)[None, :]
     slot = jnp.arange(sources.shape[0], dtype=jnp.int32)
     at = ((s * chunks + i) * span + slot[:, None]) * num_cols + c[None, :]
+    # A masked lane's address would be another slot's: on a GPU it stores nothing, but the
+    # interpreter stores a masked block by writing every lane back, in an order its device does
+    # not fix. Out of range, the interpreter drops it.
+    at = jnp.where(mask, at, out_ref.shape[0])
     for k, ref in enumerate(inputs):
 
         @pl.when(s // subs == k)
