@@ -367,10 +367,11 @@ def train(
         Trust the directory as you trust the code: JAX runs what it loads from it.
       concurrent_launches: compile the train step with ``optim.concurrent_jit``: on a GPU its
         independent kernels may run at the same time, and banded SONew (band >= 2) walks longer
-        chunks for it. Band 4's update of the 335M LM set then took 2.9x AdamW's device time
-        instead of 3.9x on an H100; it costs the step memory (XLA keeps apart the buffers of
-        kernels that may overlap: 30.0 GiB of temporaries instead of 26.7 for AdamW's 350m
-        step). ``configs/optimizers/sonew_band4.gin`` turns it on; see benchmarks/README.md.
+        chunks for it. On an H100 band 4's update of the 335M LM set then took 2.80x AdamW's
+        device time instead of 3.84x, and its 350m train step 117.3 ms instead of 121.1; it
+        costs the step memory (XLA keeps apart the buffers of kernels that may overlap: the
+        band-4 step peaked at 40.5 GiB instead of 36.5). ``configs/optimizers/sonew_band4.gin``
+        shows the binding; see benchmarks/README.md, version 22.
       mesh: the device mesh; default `partitioning.make_mesh()` as configured in gin.
 
     Returns:
