@@ -102,15 +102,15 @@ def _bytes(ir: str) -> int:
     return len(re.sub(r"\\[0-9A-Fa-f]{2}|\\.", "x", ir))
 
 
-def lower(name: str, args: argparse.Namespace) -> dict:
-    """``name``'s donated update of the LM set (``update_speed.make_update``), lowered for CUDA."""
+def lower(name: str, shapes, args: argparse.Namespace) -> dict:
+    """``name``'s donated update of the LM set's ``shapes`` (``update_speed.make_update``, jitted
+    by ``common.jit_for``), lowered for CUDA."""
     fused._step_call.cache_clear()
     fused._halo_call.cache_clear()
     jax.clear_caches()
-    shapes = lm_shapes.from_args(args)
     with common.fused_constants(args.fused), compiled_kernels():
         tx = update_speed.make_optimizer(name)
-        update = update_speed.make_update(tx)
+        update = update_speed.make_update(tx, common.jit_for(args))
         state = jax.eval_shape(tx.init, shapes)
         start = time.perf_counter()
         traced = update.trace(shapes, state, shapes)
@@ -138,6 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     lm_shapes.add_args(p)
     common.add_fused_arg(p)
+    common.add_concurrent_arg(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     return p.parse_args(argv)
 
@@ -149,7 +150,7 @@ def main(argv=None) -> dict:
     shapes = lm_shapes.from_args(args)
     result = common.lm_set_result(args, lm_shapes.count(shapes), platform="cuda")
     for name in args.optimizers:
-        row = lower(name, args)
+        row = lower(name, shapes, args)
         result["rows"].append(row)
         print(f"{name}: lowered in {row['trace_s'] + row['lower_s']:.1f} s", flush=True)
         common.write_json(args.out, result)
