@@ -1,9 +1,10 @@
 """Checkpoints on disk: save, auto-resume onto any mesh, corrupt-checkpoint fallback, preemption.
 
-Each checkpoint is an orbax directory ``MODEL_DIR/checkpoint_<step>/`` with two items: ``state``
-(the whole `TrainState`: step, parameters, full optimizer state) and ``data`` (the training data
-iterator's position, JSON). ``MODEL_DIR`` is a local path or a cloud URI (gs://, s3://, az://;
-see `sonew_pax.paths`).
+Each checkpoint is an orbax directory ``MODEL_DIR/checkpoint_<step>/`` with three items: ``state``
+(the whole `TrainState`: step, parameters, full optimizer state), ``data`` (the training data
+iterator's position, JSON) and ``manifest`` (JSON: each array's dtype and checksum, and the
+trainer's own counters; checkpoints written before it existed have none and still restore).
+``MODEL_DIR`` is a local path or a cloud URI (gs://, s3://, az://; see `sonew_pax.paths`).
 
 How a save becomes visible only when complete:
 - Local (and mounted) paths: orbax writes into ``checkpoint_<step>.orbax-checkpoint-tmp*`` and
@@ -25,6 +26,15 @@ Rules kept here:
   of the objects under each name, and neither name counts as a checkpoint (the ``.corrupt`` /
   ``.partial`` names are never listed; the original lacks its commit file or already failed to
   restore, and is set aside again on the next start).
+- Integrity: ``save`` computes, on device, each array's checksum (two wrapping uint32 sums of
+  its bit patterns, one weighted by position: independent of the mesh) and whether it is finite.
+  A state with a non-finite array is never saved (`NonFiniteStateError`), so the ``keep`` limit
+  never rotates a finite checkpoint out for a non-finite one. At restore the checksums are
+  computed again on the restored arrays: a mismatch (bytes changed on disk after the save) or a
+  non-finite array makes the checkpoint corrupt, handled as above.
+- A checkpoint whose arrays differ in name or shape from the run's (another model or optimizer
+  in the same MODEL_DIR) is a configuration error (`ConfigMismatchError`, listing the
+  differences), found from orbax's metadata before any array is read; nothing is renamed.
 - SIGTERM (preemption) sets a flag; the training loop saves at its current step and exits.
 """
 
@@ -33,15 +43,20 @@ import json
 import os
 import signal
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
+from jax import lax
 from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 from sonew_pax import paths
+from sonew_pax.errors import RunError
 from sonew_pax.train_state import TrainState
 
 STEP_PREFIX = "checkpoint"
@@ -50,6 +65,120 @@ PARTIAL_SUFFIX = ".partial"
 ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
+ITEMS = ("state", "data", "manifest")
+# How many differing arrays a config-mismatch message lists.
+MISMATCH_LINES = 12
+
+
+class NonFiniteStateError(RunError):
+    """A state to be saved holds NaN or infinity."""
+
+
+class ConfigMismatchError(RunError):
+    """The checkpoints in MODEL_DIR were written by a run with other arrays (model or optimizer)."""
+
+
+class Restored(NamedTuple):
+    """What `Checkpoints.restore_latest` returns.
+
+    Attributes:
+      state: the `TrainState`, on the target's shardings.
+      data: the data iterator's position.
+      run: the trainer's counters saved with it (``{}`` for checkpoints that have none).
+    """
+
+    state: TrainState
+    data: dict[str, Any]
+    run: dict[str, Any]
+
+
+def leaf_name(path: tuple) -> str:
+    """``opt_state/0/m/dense/kernel``: a key path as orbax's metadata and the manifest name it
+    (NamedTuple fields, dict keys and sequence indices alike)."""
+    parts = []
+    for key in path:
+        for attribute in ("key", "name", "idx"):
+            if hasattr(key, attribute):
+                parts.append(str(getattr(key, attribute)))
+                break
+        else:
+            parts.append(str(key))
+    return "/".join(parts)
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """The bit patterns of ``x`` as uint32, one per element (64-bit types: both halves mixed)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    words = lax.bitcast_convert_type(x, width).astype(jnp.uint32)
+    if x.dtype.itemsize == 8:  # (..., 2) halves
+        words = words[..., 0] + jnp.uint32(0x9E3779B9) * words[..., 1]
+    return words
+
+
+def _position(shape: tuple[int, ...]) -> jax.Array:
+    """Each element's row-major index, modulo 2**32."""
+    index = jnp.zeros(shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(len(shape))):
+        step = jnp.uint32(stride % 2**32)
+        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * step
+        stride *= shape[axis]
+    return index
+
+
+def _fingerprint_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """``(checksums (n, 2) uint32, finite (n,) bool)`` of ``leaves``: the sum of each array's
+    words and their sum weighted by ``2 * position + 1``, wrapping (exact, so the result does not
+    depend on how the array is split); whether every element is finite."""
+    sums, finite = [], []
+    for x in leaves:
+        words = _words(x)
+        weights = 2 * _position(words.shape) + 1
+        sums.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32),
+                               jnp.sum(words * weights, dtype=jnp.uint32)]))  # fmt: skip
+        floating = jnp.issubdtype(x.dtype, jnp.inexact)
+        finite.append(jnp.all(jnp.isfinite(x)) if floating else jnp.bool_(True))
+    if not leaves:
+        return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
+    return jnp.stack(sums), jnp.stack(finite)
+
+
+def fingerprint(state: Any) -> dict[str, tuple[str, list[int], bool]]:
+    """``name -> (dtype, [checksum, weighted checksum], finite)`` for every array of ``state``,
+    computed on device in one program (`_fingerprint_leaves`); names as `leaf_name`."""
+    named = jax.tree_util.tree_leaves_with_path(state)
+    leaves = [leaf for _, leaf in named]
+    shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
+    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
+    replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    sums, finite = jax.jit(_fingerprint_leaves, out_shardings=replicated)(leaves)
+    sums, finite = np.asarray(sums), np.asarray(finite)
+    return {
+        leaf_name(path): (str(leaf.dtype), [int(v) for v in sums[k]], bool(finite[k]))
+        for k, (path, leaf) in enumerate(named)
+    }
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """``name -> shape`` of every array in ``tree`` (arrays, ShapeDtypeStructs, orbax metadata)."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    return {leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
+
+
+def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
+    """Lines naming every array whose presence or shape differs between a checkpoint (``saved``)
+    and the run (``wanted``); empty when they agree."""
+    lines = []
+    for name in sorted(saved.keys() | wanted.keys()):
+        if name not in wanted:
+            lines.append(f"{name}: {saved[name]} in the checkpoint, not in this run")
+        elif name not in saved:
+            lines.append(f"{name}: {wanted[name]} in this run, not in the checkpoint")
+        elif saved[name] != wanted[name]:
+            lines.append(f"{name}: {saved[name]} in the checkpoint, {wanted[name]} in this run")
+    return lines
 
 
 def checkpoint_dir(model_dir: str | os.PathLike, step: int) -> epath.Path:
@@ -126,23 +255,47 @@ class Checkpoints:
             enable_async_checkpointing=async_save,
             **cloud_options,
         )
-        self._manager = ocp.CheckpointManager(
-            self.model_dir, options=options, item_names=("state", "data")
-        )
+        self._manager = ocp.CheckpointManager(self.model_dir, options=options, item_names=ITEMS)
 
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending."""
         return sorted(self._manager.all_steps())
 
-    def save(self, state: TrainState, data_state: dict[str, Any]) -> bool:
-        """Saves ``state`` at its step with the data position; False if that step is on disk."""
+    def save(
+        self, state: TrainState, data_state: dict[str, Any], run: dict[str, Any] | None = None
+    ) -> bool:
+        """Saves ``state`` at its step with the data position and the trainer's counters ``run``
+        (JSON); False if that step is on disk.
+
+        Raises:
+          NonFiniteStateError: an array of ``state`` holds NaN or infinity; nothing is written.
+        """
         step = int(state.step)
         if step in self._manager.all_steps():
             return False
+        prints = fingerprint(state)
+        bad = [name for name, (_, _, finite) in prints.items() if not finite]
+        if bad:
+            newest = self.steps()[-1] if self.steps() else None
+            raise NonFiniteStateError(
+                f"step {step}: the state is not finite ({len(bad)} arrays hold NaN or inf: "
+                f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}); not saved. "
+                + (
+                    f"The newest checkpoint is {checkpoint_dir(self.model_dir, newest)}."
+                    if newest is not None
+                    else "There is no checkpoint."
+                )
+            )
+        manifest = {
+            "arrays": {name: {"dtype": d, "checksum": c} for name, (d, c, _) in prints.items()},
+            "run": dict(run or {}),
+        }
         self._manager.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave(data_state),
+                manifest=ocp.args.JsonSave(manifest),
             ),
             force=True,
         )
@@ -167,18 +320,19 @@ class Checkpoints:
             path.rename(target)
             logging.warning("Unfinished checkpoint save %s ignored; moved to %s.", path, target)
 
-    def restore_latest(self, target: TrainState) -> tuple[TrainState, dict[str, Any]] | None:
-        """The newest checkpoint that restores, onto ``target``'s shapes and shardings.
+    def restore_latest(self, target: TrainState) -> Restored | None:
+        """The newest checkpoint that restores intact, onto ``target``'s shapes and shardings.
 
         Args:
           target: ShapeDtypeStructs with shardings (`StateLayout.abstract_with_shardings`).
 
         Returns:
-          (state, data position), or None when there is no checkpoint.
+          A `Restored`, or None when there is no checkpoint.
 
         Raises:
-          RuntimeError: when checkpoints exist but none restores (e.g. a different model): that
-            is a configuration error, not corruption, and nothing is renamed.
+          ConfigMismatchError: a checkpoint holds other arrays than ``target`` (another model or
+            optimizer); nothing is renamed.
+          RuntimeError: checkpoints exist but none restores; nothing is renamed.
         """
         self._set_aside_partial_saves()
         if paths.is_cloud(self.model_dir):
@@ -188,12 +342,10 @@ class Checkpoints:
         failed: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
             try:
-                restored = self._manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()
-                    ),
-                )
+                self._check_config(step, target)
+                restored = self._restore_intact(step, target)
+            except ConfigMismatchError:
+                raise
             except Exception as error:
                 logging.warning(
                     "Checkpoint %s is corrupt or incomplete (%s: %s); trying the previous one.",
@@ -204,7 +356,7 @@ class Checkpoints:
                 failed.append((step, error))
                 continue
             self._quarantine([s for s, _ in failed])
-            return TrainState(*restored.state), restored.data
+            return restored
         if failed:
             step, error = failed[0]
             raise RuntimeError(
@@ -212,6 +364,46 @@ class Checkpoints:
                 f"{checkpoint_dir(self.model_dir, step)}, fails with: {error}"
             ) from error
         return None
+
+    def _check_config(self, step: int, target: TrainState) -> None:
+        """Raises `ConfigMismatchError` when checkpoint ``step``'s arrays (orbax's metadata) differ
+        in name or shape from ``target``'s. Unreadable metadata raises as corruption does."""
+        path = checkpoint_dir(self.model_dir, step) / "state"
+        metadata = ocp.StandardCheckpointHandler().metadata(path)
+        differences = describe_mismatch(_shapes(metadata), _shapes(target))
+        if differences:
+            listed = "\n  ".join(differences[:MISMATCH_LINES])
+            more = len(differences) - MISMATCH_LINES
+            raise ConfigMismatchError(
+                f"config mismatch: {checkpoint_dir(self.model_dir, step)} was written by a run "
+                f"with another model or optimizer ({len(differences)} arrays differ):\n  "
+                f"{listed}" + (f"\n  ... and {more} more" if more > 0 else "") + "\n"
+                f"Use a new MODEL_DIR for this configuration, or the configuration that wrote "
+                f"{self.model_dir} (its config.gin)."
+            )
+
+    def _restore_intact(self, step: int, target: TrainState) -> Restored:
+        """Restores checkpoint ``step`` and checks it against its manifest (module docstring).
+
+        Raises:
+          ValueError: an array's checksum differs from the one saved, or an array is not finite.
+        """
+        has_manifest = (checkpoint_dir(self.model_dir, step) / "manifest").exists()
+        items = {"state": ocp.args.StandardRestore(target), "data": ocp.args.JsonRestore()}
+        if has_manifest:
+            items["manifest"] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        state = TrainState(*restored.state)
+        saved = restored.manifest["arrays"] if has_manifest else {}
+        for name, (dtype, checksum, finite) in fingerprint(state).items():
+            if not finite:
+                raise ValueError(f"array {name} holds NaN or inf")
+            record = saved.get(name)
+            # A dtype changed since the save (orbax casts at restore) has another checksum.
+            if record is not None and record["dtype"] == dtype and record["checksum"] != checksum:
+                raise ValueError(f"array {name} does not match its checksum: changed on disk")
+        run = restored.manifest.get("run", {}) if has_manifest else {}
+        return Restored(state, restored.data, run)
 
     def _quarantine(self, steps: list[int]) -> None:
         """Renames unreadable checkpoints aside (never deleting them); their steps get redone."""

@@ -2,7 +2,8 @@
 
 Layout under MODEL_DIR: ``train/`` and ``eval/`` hold TensorBoard event files; ``metrics.jsonl``
 has one JSON object per training step (``step``, ``loss``, ``learning_rate``, ``grad_norm``; the
-steps that evaluated add ``eval_loss`` and ``eval_perplexity``). Only process 0 writes; other
+steps that evaluated add ``eval_loss`` and ``eval_perplexity``); a non-finite value is written as
+``null`` (JSON has no NaN) and left out of the TensorBoard events. Only process 0 writes; other
 processes get a writer that does nothing.
 
 MODEL_DIR on an object store (gs://, s3://, az://; `sonew_pax.paths`): objects cannot be appended
@@ -106,13 +107,15 @@ class MetricsWriter:
         """One step's scalars: a JSONL line; ``eval_*`` to eval/, the rest to train/ events."""
         if not self.enabled:
             return
-        record = {"step": step, **{k: float(v) for k, v in scalars.items()}}
+        values = {name: float(value) for name, value in scalars.items()}
+        record = {"step": step, **{k: v if math.isfinite(v) else None for k, v in values.items()}}
+        line = json.dumps(record, allow_nan=False) + "\n"
         if self.cloud:
-            self._lines.append(json.dumps(record) + "\n")
+            self._lines.append(line)
         else:
-            self._jsonl.write(json.dumps(record) + "\n")
-        for name, value in record.items():
-            if name == "step":
+            self._jsonl.write(line)
+        for name, value in values.items():
+            if not math.isfinite(value):
                 continue
             if name.startswith("eval_"):
                 self._eval.add_scalar(name.removeprefix("eval_"), value, step)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from sonew_pax import optim
+from sonew_pax.errors import ConfigError
 
 Schedule = Callable[[Any], Any]
 OptimizerFactory = Callable[..., optax.GradientTransformation]
@@ -55,6 +56,11 @@ def learning_rate_schedule(
     """
     if decay not in SCHEDULE_KINDS:
         raise ValueError(f"decay={decay!r}, expected one of {SCHEDULE_KINDS}")
+    if not total_steps >= 1:
+        raise ConfigError(
+            "TRAIN_STEPS (learning_rate_schedule.total_steps) must be at least 1, "
+            f"got {total_steps}."
+        )
     if not 0 <= warmup_steps <= total_steps:
         raise ValueError(f"warmup_steps={warmup_steps} must be in [0, total_steps={total_steps}]")
     warmup = optax.linear_schedule(0.0, peak_value, max(warmup_steps, 1))

@@ -20,6 +20,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from sonew_pax.errors import ConfigError
+
 MESH_AXES = ("replica", "data", "model")
 
 # Logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated).
@@ -215,6 +217,24 @@ def batch_spec(rules: Rules = DEFAULT_RULES) -> PartitionSpec:
 def data_sharding(mesh: Mesh, rules: Rules = DEFAULT_RULES) -> NamedSharding:
     """Sharding of the global [batch, length] input arrays on `mesh`."""
     return NamedSharding(mesh, batch_spec(rules))
+
+
+def check_batch_size(batch_size: int, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> None:
+    """Raises `ConfigError` unless the global ``batch_size`` splits evenly over the mesh axes
+    that shard the batch and over the processes (each reads its share), naming both."""
+    axes = batch_spec(rules)[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    shards = math.prod(mesh.shape[axis] for axis in axes)
+    processes = jax.process_count()
+    if batch_size < 1 or batch_size % shards or batch_size % processes:
+        over = " x ".join(f"{axis}={mesh.shape[axis]}" for axis in axes) or "no axis"
+        unit = math.lcm(shards, processes)
+        near = sorted({max(unit, batch_size // unit * unit), -(-batch_size // unit) * unit})
+        raise ConfigError(
+            f"BATCH_SIZE (train.batch_size) = {batch_size} must be a positive multiple of the "
+            f"{shards} batch shards ({over}) and of the {processes} process(es): "
+            f"try {' or '.join(map(str, near))}."
+        )
 
 
 @contextlib.contextmanager

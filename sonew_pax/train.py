@@ -10,6 +10,10 @@ to the binding ``NAME = VALUE``), and ``--coordinator_address``/``--process_coun
 ``--process_index`` for multi-process runs (also read from the environment, e.g. SLURM; on Cloud
 TPU they are auto-detected: see `sonew_pax.distributed`).
 
+A run that cannot start or has to stop for a reason its user can fix (`errors.RunError`: a setting
+that cannot work, a misspelled macro, MODEL_DIR in use or holding another configuration's
+checkpoints, a diverged run) prints one line ``error: ...`` and exits with status 1.
+
 What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-info.txt``
 (parameter and optimizer-state shapes, specs and counts), ``checkpoint_<step>/``,
 ``metrics.jsonl``, TensorBoard events under ``train/`` and ``eval/``, and ``compilation_cache/``
@@ -17,6 +21,7 @@ What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-i
 checkpoint, loading the compiled train step from the cache.
 """
 
+import difflib
 import logging as pylogging
 import pathlib
 import sys
@@ -26,6 +31,7 @@ import gin
 from absl import app, flags, logging
 
 from sonew_pax import distributed, trainer
+from sonew_pax.errors import ConfigError, RunError
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 CONFIGS_DIR = PACKAGE_DIR.parent / "configs"
@@ -101,17 +107,57 @@ def set_search_paths(search_paths: Sequence[str]) -> None:
         gin.add_config_file_search_path(path)
 
 
+def _bound_macros(bindings: Sequence[str]) -> list[str]:
+    """The macros that ``bindings`` set (``NAME = VALUE``, as gin's parser reads them)."""
+    parser = gin.config_parser.ConfigParser("\n".join(bindings), gin.config.ParserDelegate())
+    return [
+        statement.selector
+        for statement in parser
+        if isinstance(statement, gin.config_parser.BindingStatement) and not statement.arg_name
+    ]
+
+
+def _used_macros() -> set[str]:
+    """The macros some binding of the parsed config refers to (``%NAME``)."""
+    macro = gin.config.get_configurable(gin.config.macro)
+    # gin keeps its config in a module global; iterate_references walks every bound value.
+    return {ref.scoped_selector.split("/")[0] for ref in gin.config.iterate_references(
+        gin.config._CONFIG, to=macro)}  # fmt: skip
+
+
+def check_macros_used(bindings: Sequence[str]) -> None:
+    """Raises `ConfigError` for a macro set in ``bindings`` that no part of the config uses: gin
+    would define it and go on (``--gin.CHEKPOINT_PERIOD=2`` would change nothing)."""
+    used = _used_macros()
+    for name in _bound_macros(bindings):
+        if name not in used:
+            close = difflib.get_close_matches(name, sorted(used), n=1)
+            hint = f" Did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"--gin.{name} sets the macro {name}, which no configuration uses.{hint} "
+                f"Macros in use: {', '.join(sorted(used))}."
+            )
+
+
 def parse_gin(files: Sequence[str], bindings: Sequence[str], search_paths: Sequence[str]) -> None:
     """Parses config files then bindings (unknown names are errors) and finalizes the config.
 
     Raises:
       ValueError (from gin): a misspelled configurable or parameter, or a macro left at
         ``%gin.REQUIRED``, named in the message.
+      ConfigError: a binding sets a macro that nothing uses (a misspelled macro name).
     """
     set_search_paths(search_paths)
     gin.parse_config_files_and_bindings(
         list(files), list(bindings), skip_unknown=False, finalize_config=True
     )
+    check_macros_used(bindings)
+
+
+def _without_gin_context(message: str) -> str:
+    """``message`` less the lines gin appends to errors raised in a configurable's call."""
+    lines = message.splitlines()
+    return "\n".join(line for line in lines if not line.startswith("  In call to configurable"))
 
 
 def main(argv: Sequence[str]) -> None:
@@ -125,8 +171,11 @@ def main(argv: Sequence[str]) -> None:
         FLAGS.process_index,
         timeout_s=FLAGS.distributed_timeout_s,
     )
-    parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.gin_search_paths)
-    result = trainer.train()
+    try:
+        parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.gin_search_paths)
+        result = trainer.train()
+    except RunError as error:
+        sys.exit(f"error: {_without_gin_context(str(error))}")
     logging.info("Finished at step %d (loss %s).", result.step, result.loss)
 
 

@@ -15,6 +15,7 @@ run loads its train step instead of compiling it again.
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -29,7 +30,17 @@ from etils import epath
 from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sonew_pax import checkpoints, metrics, optim, optimizers, partitioning, paths, train_state
+from sonew_pax import (
+    checkpoints,
+    metrics,
+    optim,
+    optimizers,
+    partitioning,
+    paths,
+    run_lock,
+    train_state,
+)
+from sonew_pax.errors import ConfigError, RunError
 from sonew_pax.models import Transformer, TransformerConfig
 from sonew_pax.train_state import TrainState
 
@@ -58,11 +69,16 @@ def make_train_step(
     tx: optax.GradientTransformation,
     schedule: Callable[[jax.Array], jax.Array],
     seed: int,
+    skip_non_finite: bool = False,
 ) -> Callable[[TrainState, Batch], tuple[TrainState, Metrics]]:
     """``(state, batch) -> (state + 1 step, metrics)``; metrics: loss, learning_rate, grad_norm.
 
     The learning rate reported is the one this step applied (``schedule(state.step)``), and
-    grad_norm is the global norm before any clipping.
+    grad_norm is the global norm before any clipping. With ``skip_non_finite``, a step whose loss
+    or grad_norm is not finite keeps the parameters and optimizer state as they were (only the
+    step count advances, so the next step reads the next batch): the update runs inside a
+    ``lax.cond``, which costs no pass over memory (a ``where`` over the state would read and write
+    it all again) but may make a GPU wait for the predicate before launching the update.
     """
     base_rng = jax.random.key(seed)
 
@@ -79,12 +95,23 @@ def make_train_step(
             return mean_loss(*weighted_cross_entropy(logits, batch["targets"], batch["weights"]))
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
-        # Where tx can apply itself (SONew), its kernels may write the parameters in place.
-        params, opt_state = optim.apply_gradients(tx, grads, state.opt_state, state.params)
+        grad_norm = optax.tree.norm(grads)
+
+        def update() -> tuple[Any, Any]:
+            # Where tx can apply itself (SONew), its kernels may write the parameters in place.
+            return optim.apply_gradients(tx, grads, state.opt_state, state.params)
+
+        if skip_non_finite:
+            finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+            params, opt_state = jax.lax.cond(
+                finite, update, lambda: (state.params, state.opt_state)
+            )
+        else:
+            params, opt_state = update()
         metrics = {
             "loss": loss,
             "learning_rate": jnp.asarray(schedule(state.step), jnp.float32),
-            "grad_norm": optax.tree.norm(grads),
+            "grad_norm": grad_norm,
         }
         return TrainState(state.step + 1, params, opt_state), metrics
 
@@ -113,7 +140,8 @@ class Trainer:
       tx: the optimizer.
       train_step: jitted ``(state, batch) -> (state, metrics)``; the input state is donated, its
         shardings in and out are the layout's; metrics come back replicated. With
-        ``concurrent_launches`` it is jitted by ``optim.concurrent_jit`` (see `train`).
+        ``concurrent_launches`` it is jitted by ``optim.concurrent_jit`` (see `train`); with
+        ``skip_non_finite`` a non-finite step keeps the state (`make_train_step`).
       eval_step: jitted ``(params, batch) -> (loss sum, weight sum)``.
       batch_sharding: how the global [batch, length] arrays are laid out over the mesh.
     """
@@ -128,6 +156,7 @@ class Trainer:
         batch_shape: tuple[int, int],
         seed: int,
         concurrent_launches: bool = False,
+        skip_non_finite: bool = False,
     ):
         self.model = model
         self.mesh = mesh
@@ -144,7 +173,7 @@ class Trainer:
         replicated = NamedSharding(mesh, PartitionSpec())
         jit = optim.concurrent_jit if concurrent_launches else jax.jit
         self.train_step = jit(
-            make_train_step(model, self.tx, schedule, seed),
+            make_train_step(model, self.tx, schedule, seed, skip_non_finite),
             in_shardings=(self.layout.shardings, batch_shardings),
             out_shardings=(self.layout.shardings, replicated),
             donate_argnums=0,
@@ -216,16 +245,131 @@ def _due(step: int, period: int, last_step: int) -> bool:
 
 def _restore_or_init(
     step_fns: Trainer, ckpts: checkpoints.Checkpoints, batches: Any, seed: int
-) -> TrainState:
-    """The newest restorable checkpoint (moving ``batches`` to its position), else a new state."""
+) -> tuple[TrainState, dict[str, Any]]:
+    """The newest restorable checkpoint (moving ``batches`` to its position) and the trainer's
+    counters saved with it, else a new state and ``{}``."""
     restored = ckpts.restore_latest(step_fns.layout.abstract_with_shardings())
     if restored is None:
         logging.info("Initialising a new run in %s", ckpts.model_dir)
-        return step_fns.init_state(seed)
-    state, data_state = restored
-    batches.set_state(data_state)
-    logging.info("Resumed %s from step %d", ckpts.model_dir, int(state.step))
-    return state
+        return step_fns.init_state(seed), {}
+    batches.set_state(restored.data)
+    logging.info("Resumed %s from step %d", ckpts.model_dir, int(restored.state.step))
+    return restored.state, restored.run
+
+
+NON_FINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(RunError):
+    """A step's loss, gradient norm or learning rate is not finite (or the rate is negative)."""
+
+
+class NonFiniteGuard:
+    """The host side of `train`'s ``non_finite`` policy.
+
+    `check` reads each step's metrics where the loop already brings them to the host (one step
+    behind the device, and before every save), so the guard adds no device work and no wait.
+    Under ``"stop"`` a non-finite loss or grad_norm ends the run; nothing is saved after it (the
+    loop checks a step's metrics before saving its state). Under ``"skip"`` the train step has
+    kept the state (`make_train_step`'s ``skip_non_finite``) and the guard counts the step, up to
+    ``max_skipped_steps`` in the whole run (the count is saved in checkpoints). A learning rate
+    that is not finite or negative ends the run under both.
+
+    Args:
+      policy: ``"stop"`` or ``"skip"``.
+      max_skipped_steps: ``"skip"``: the most steps skipped before the run stops.
+      skipped_steps: steps already skipped (from the checkpoint resumed).
+      newest_checkpoint: returns where the run can be resumed from, for the message.
+    """
+
+    def __init__(
+        self,
+        policy: str,
+        max_skipped_steps: int,
+        skipped_steps: int,
+        newest_checkpoint: Callable[[], str],
+    ):
+        self.policy = policy
+        self.max_skipped_steps = max_skipped_steps
+        self.skipped_steps = skipped_steps
+        self._newest_checkpoint = newest_checkpoint
+
+    def metrics(self) -> dict[str, float]:
+        """What the guard adds to each step's metrics: ``skipped_steps`` (the run's total) under
+        ``"skip"``."""
+        return {"skipped_steps": self.skipped_steps} if self.policy == "skip" else {}
+
+    def run_state(self) -> dict[str, int]:
+        """The counters a checkpoint keeps."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def check(self, step: int, scalars: Mapping[str, float]) -> NonFiniteError | None:
+        """Counts a skipped step and returns the error that ends the run, if any (the caller
+        raises it after writing the step's metrics)."""
+        rate = scalars["learning_rate"]
+        if not (math.isfinite(rate) and rate >= 0):
+            return NonFiniteError(
+                f"step {step}: the learning rate is {rate}; it must be finite and >= 0 (check "
+                f"the schedule). {self._newest_checkpoint()}"
+            )
+        bad = [f"{name} {scalars[name]}" for name in ("loss", "grad_norm")
+               if not math.isfinite(scalars[name])]  # fmt: skip
+        if not bad:
+            return None
+        what = f"step {step}: non-finite {' and '.join(bad)}"
+        if self.policy == "stop":
+            return NonFiniteError(
+                f"{what}. The run stopped; nothing after the last finite checkpoint was saved. "
+                f"{self._newest_checkpoint()} Lower the learning rate (or raise warmup, clip "
+                f"harder), or set train.non_finite = 'skip' to skip such steps."
+            )
+        self.skipped_steps += 1
+        if self.skipped_steps > self.max_skipped_steps:
+            return NonFiniteError(
+                f"{what}: {self.skipped_steps} steps skipped, more than "
+                f"train.max_skipped_steps = {self.max_skipped_steps}. The run stopped. "
+                f"{self._newest_checkpoint()}"
+            )
+        logging.warning(
+            "%s: step skipped (parameters and optimizer state kept; %d of at most %d).",
+            what,
+            self.skipped_steps,
+            self.max_skipped_steps,
+        )
+        return None
+
+
+def _newest_checkpoint_message(ckpts: checkpoints.Checkpoints) -> str:
+    """Where a stopped run resumes from, in words."""
+    steps = ckpts.steps()
+    if not steps:
+        return "There is no checkpoint yet."
+    return f"The newest checkpoint is {checkpoints.checkpoint_dir(ckpts.model_dir, steps[-1])}."
+
+
+def check_settings(**settings: Any) -> None:
+    """Raises `ConfigError` naming the first of `train`'s settings that cannot work (before the
+    run writes anything). ``settings``: `train`'s arguments of the same names."""
+    at_least = {
+        "train_steps": ("TRAIN_STEPS", 1),
+        "batch_size": ("BATCH_SIZE", 1),
+        "seq_len": ("SEQ_LEN", 1),
+        "checkpoint_period": ("CHECKPOINT_PERIOD", 0),
+        "eval_period": ("EVAL_PERIOD", 0),
+        "log_every": (None, 1),
+        "max_skipped_steps": (None, 0),
+        "keep_checkpoints": (None, 1),
+    }
+    for name, (macro, least) in at_least.items():
+        value = settings[name]
+        if value is None and name == "keep_checkpoints":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            label = f"{macro} (train.{name})" if macro else f"train.{name}"
+            raise ConfigError(f"{label} must be an integer >= {least}, got {value!r}.")
+    policy = settings["non_finite"]
+    if policy not in NON_FINITE_POLICIES:
+        raise ConfigError(f"train.non_finite must be one of {NON_FINITE_POLICIES}, got {policy!r}.")
 
 
 def compilation_cache_path(model_dir: epath.Path, setting: str | None) -> str | None:
@@ -336,6 +480,8 @@ def train(
     log_every: int = 10,
     compilation_cache_dir: str | None = None,
     concurrent_launches: bool = False,
+    non_finite: str = "stop",
+    max_skipped_steps: int = 10,
     mesh: jax.sharding.Mesh | None = None,
 ) -> RunResult:
     """Trains ``model_config``'s Transformer for ``train_steps`` steps, resuming from MODEL_DIR.
@@ -372,37 +518,72 @@ def train(
         costs the step memory (XLA keeps apart the buffers of kernels that may overlap: the
         band-4 step peaked at 40.5 GiB instead of 36.5). ``configs/optimizers/sonew_band4.gin``
         shows the binding; see benchmarks/README.md, version 22.
+      non_finite: what a step with a non-finite loss or gradient norm does (`NonFiniteGuard`):
+        ``"stop"`` (default) ends the run with `NonFiniteError` naming the step, having saved
+        nothing after it; ``"skip"`` keeps the parameters and optimizer state for that step,
+        counts it (``skipped_steps`` in the metrics) and ends the run after
+        ``max_skipped_steps`` such steps.
+      max_skipped_steps: see ``non_finite``.
       mesh: the device mesh; default `partitioning.make_mesh()` as configured in gin.
 
     Returns:
       A `RunResult`.
+
+    Raises:
+      ConfigError: a setting that cannot work (named), before anything is written.
+      run_lock.RunLockedError: another run is using ``model_dir``.
+      checkpoints.ConfigMismatchError: ``model_dir``'s checkpoints hold another model or
+        optimizer.
+      NonFiniteError: the run diverged (see ``non_finite``).
     """
+    check_settings(
+        train_steps=train_steps,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        checkpoint_period=checkpoint_period,
+        eval_period=eval_period,
+        log_every=log_every,
+        max_skipped_steps=max_skipped_steps,
+        keep_checkpoints=keep_checkpoints,
+        non_finite=non_finite,
+    )
     model_dir_path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
+    mesh = partitioning.make_mesh() if mesh is None else mesh
+    rules = partitioning.logical_axis_rules()
+    partitioning.check_batch_size(batch_size, mesh, rules)
+    data_args = {
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+    }
+    batches = train_data(seed=seed, **data_args)
+    _check_vocab(model_config, batches)
+    eval_batches = None if eval_data is None else eval_data(**data_args)
+    step_fns = Trainer(  # shapes only: nothing is allocated or written yet
+        Transformer(model_config),
+        optimizer,
+        learning_rate,
+        mesh,
+        rules,
+        (batch_size, seq_len),
+        seed,
+        concurrent_launches,
+        skip_non_finite=non_finite == "skip",
+    )
     stop = checkpoints.StopSignal()
     cache = compilation_cache_path(model_dir_path, compilation_cache_dir)
-    with stop.installed(), persistent_compilation_cache(cache):
-        model_dir_path.mkdir(parents=True, exist_ok=True)
-        data_args = {
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "process_index": jax.process_index(),
-            "process_count": jax.process_count(),
-        }
-        batches = train_data(seed=seed, **data_args)
-        _check_vocab(model_config, batches)
-        eval_batches = None if eval_data is None else eval_data(**data_args)
-        step_fns = Trainer(
-            Transformer(model_config),
-            optimizer,
-            learning_rate,
-            partitioning.make_mesh() if mesh is None else mesh,
-            partitioning.logical_axis_rules(),
-            (batch_size, seq_len),
-            seed,
-            concurrent_launches,
-        )
+    with (
+        run_lock.held(model_dir_path),
+        stop.installed(),
+        persistent_compilation_cache(cache),
+    ):
         ckpts = checkpoints.Checkpoints(model_dir_path, keep=keep_checkpoints)
-        state = _restore_or_init(step_fns, ckpts, batches, seed)
+        try:
+            state, run_counters = _restore_or_init(step_fns, ckpts, batches, seed)
+        except BaseException:
+            ckpts.close()
+            raise
         _write_text(model_dir_path / "config.gin", gin.operative_config_str())
         _write_text(model_dir_path / "model-info.txt", train_state.describe(step_fns.layout))
 
@@ -411,6 +592,22 @@ def train(
             model_dir_path, enabled=jax.process_index() == 0, resume_step=step
         )
         progress = metrics.Progress(train_steps, batch_size * seq_len, log_every, start_step=step)
+        guard = NonFiniteGuard(
+            non_finite,
+            max_skipped_steps,
+            run_counters.get("skipped_steps", 0),
+            lambda: _newest_checkpoint_message(ckpts),
+        )
+
+        def record(step: int, step_metrics: Mapping[str, Any]) -> float:
+            """Writes one step's metrics (now on the host) and applies the guard; its loss."""
+            scalars = {name: float(value) for name, value in step_metrics.items()}
+            error = guard.check(step, scalars)
+            writer.write(step, {**scalars, **guard.metrics()})
+            if error is not None:
+                raise error
+            return scalars["loss"]
+
         pending: tuple[int, dict[str, Any]] | None = None
         loss = None
         preempted = stop.received
@@ -423,7 +620,7 @@ def train(
                         jax.block_until_ready(step_metrics)
                 step += 1
                 if pending is not None:  # the previous step's metrics are ready by now
-                    writer.write(*pending)
+                    record(*pending)
                 pending = (step, dict(step_metrics))
                 if eval_batches is not None and _due(step, eval_period, train_steps):
                     pending[1].update(step_fns.evaluate(state.params, eval_batches))
@@ -433,14 +630,15 @@ def train(
                     writer.flush(force=False)
                 preempted = stop.received or ckpts.reached_preemption(step)
                 if preempted or _due(step, checkpoint_period, train_steps):
-                    writer.write(*pending)  # the log on disk reaches at least the checkpoint
+                    # The log on disk reaches at least the checkpoint, and the guard has seen
+                    # the step whose state is saved.
+                    loss, pending = record(*pending), None
                     writer.flush()
-                    loss, pending = float(pending[1]["loss"]), None
-                    ckpts.save(state, batches.get_state())
+                    ckpts.save(state, batches.get_state(), guard.run_state())
         finally:  # also on errors: finish pending checkpoint writes
             writer.close()
             ckpts.close()
-    _write_text(model_dir_path / "config.gin", gin.operative_config_str())
+        _write_text(model_dir_path / "config.gin", gin.operative_config_str())
     if preempted:
         logging.warning("Stopped by preemption at step %d; rerun to resume.", step)
     return RunResult(step=step, loss=loss, preempted=preempted)

@@ -73,7 +73,7 @@ def test_restore_onto_another_mesh(tmp_path, mesh_2x4, shape):
     ckpts.close()
     devices = jax.devices()[: shape[0] * shape[1]]
     other = partitioning.make_mesh(data=shape[0], model=shape[1], devices=devices)
-    state, data = checkpoints.Checkpoints(tmp_path).restore_latest(_target(other))
+    state, data, _ = checkpoints.Checkpoints(tmp_path).restore_latest(_target(other))
     assert data == {"step": 5}
     _assert_same(state, _state(5, other))
     assert state.params["w"].sharding.is_equivalent_to(NamedSharding(other, SPECS.params["w"]), 2)
@@ -90,7 +90,7 @@ def test_never_overwrites_and_keeps_the_newest(tmp_path, mesh_2x4):
     assert not ckpts.save(_state(3, mesh_2x4), {"step": -1})
     ckpts.close()
     assert checkpoints.Checkpoints(tmp_path).steps() == [2, 3]
-    _, data = checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
+    _, data, _ = checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
     assert data == {"step": 3}  # the second save of step 3 did not replace the first
 
 
@@ -108,7 +108,7 @@ def test_corrupt_latest_falls_back_and_is_kept(tmp_path, mesh_2x4, caplog):
     ckpts.close()
     _corrupt(tmp_path / "checkpoint_8")
     with caplog.at_level(logging.WARNING):
-        state, data = checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
+        state, data, _ = checkpoints.Checkpoints(tmp_path).restore_latest(_target(mesh_2x4))
     assert data == {"step": 4}
     _assert_same(state, _state(4, mesh_2x4))
     assert any(str(tmp_path / "checkpoint_8") in r.getMessage() for r in caplog.records)
@@ -152,7 +152,7 @@ def test_unfinished_save_is_reported_and_kept_aside(tmp_path, mesh_2x4, caplog):
     shutil.copytree(tmp_path / "checkpoint_5", torn)
     ckpts = checkpoints.Checkpoints(tmp_path)
     with caplog.at_level(logging.WARNING):
-        _, data = ckpts.restore_latest(_target(mesh_2x4))
+        _, data, _ = ckpts.restore_latest(_target(mesh_2x4))
     assert data == {"step": 5}
     assert any(str(torn) in r.getMessage() for r in caplog.records)
     assert (tmp_path / "checkpoint_10.partial" / "state").is_dir()
@@ -197,7 +197,7 @@ def test_sonew_state_from_before_graft_lag_restores(tmp_path, mesh_2x4):
     ckpts = checkpoints.Checkpoints(tmp_path, async_save=False)
     ckpts.save(before, {"step": 2})
     ckpts.close()
-    restored, data = checkpoints.Checkpoints(tmp_path).restore_latest(target)
+    restored, data, _ = checkpoints.Checkpoints(tmp_path).restore_latest(target)
     assert data == {"step": 2}
     assert type(restored.opt_state[0]) is ScaleBySONewState
     _assert_same(restored, state)
@@ -210,7 +210,7 @@ def test_sonew_lag_state_round_trips(tmp_path, mesh_2x4):
     ckpts = checkpoints.Checkpoints(tmp_path, async_save=False)
     ckpts.save(state, {"step": 2})
     ckpts.close()
-    restored, _ = checkpoints.Checkpoints(tmp_path).restore_latest(target)
+    restored, _, _ = checkpoints.Checkpoints(tmp_path).restore_latest(target)
     ratio = restored.opt_state[0].ratio
     assert type(restored.opt_state[0]) is ScaleBySONewLagState
     assert float(ratio["w"]) > 0 and isinstance(ratio["b"], optax.MaskedNode)

@@ -59,8 +59,10 @@ class BandedFactor(NamedTuple):
 
 
 def unit_scale(h_diag: jax.Array) -> jax.Array:
-    """``S = diag(H)^{-1/2}``, zero where ``H_jj <= 0`` (a coordinate with no statistics)."""
-    return jnp.where(h_diag > 0, jax.lax.rsqrt(jnp.where(h_diag > 0, h_diag, 1)), 0)
+    """``S = diag(H)^{-1/2}``, zero where ``H_jj <= 0`` (a coordinate with no statistics); NaN
+    where ``H_jj`` is NaN, so that a non-finite statistic stays visible."""
+    empty = h_diag <= 0
+    return jnp.where(empty, 0, jax.lax.rsqrt(jnp.where(empty, 1, h_diag)))
 
 
 def correlations(
@@ -245,8 +247,10 @@ def precondition(
 
 
 def diagonal_precondition(h_diag: jax.Array, v: jax.Array) -> jax.Array:
-    """Band 0: ``X v = v / h`` (zero where ``h <= 0``, as the generic ``S D S`` with ``S = 0``)."""
-    return jnp.where(h_diag > 0, v / jnp.where(h_diag > 0, h_diag, 1), 0)
+    """Band 0: ``X v = v / h`` (zero where ``h <= 0``, as the generic ``S D S`` with ``S = 0``;
+    NaN where ``h`` is NaN)."""
+    empty = h_diag <= 0
+    return jnp.where(empty, 0, v / jnp.where(empty, 1, h_diag))
 
 
 def apply(factor: BandedFactor, v: jax.Array, layout: ChainLayout) -> jax.Array:

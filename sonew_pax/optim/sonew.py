@@ -29,7 +29,7 @@ update runs under ``jax.shard_map`` and equals the unsharded update.
 
 from __future__ import annotations
 
-import numbers
+import math
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -97,14 +97,70 @@ class ScaleBySONewLagState(NamedTuple):
     ratio: optax.Updates
 
 
+def _concrete(value: Any) -> np.ndarray | None:
+    """``value`` as a NumPy array when it is a number or a concrete array; None when it is traced
+    (inside ``jit`` or ``optax.inject_hyperparams``' update) or not numeric."""
+    if isinstance(value, jax.core.Tracer) or callable(value):
+        return None
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError):
+        return None
+    return array if np.issubdtype(array.dtype, np.number) else None
+
+
 def _check_fraction(name: str, value: Any) -> None:
-    if isinstance(value, numbers.Real) and not 0.0 <= float(value) < 1.0:
+    """Raises ``ValueError`` unless every concrete entry of ``value`` lies in ``[0, 1)``."""
+    array = _concrete(value)
+    if array is not None and not np.all((array >= 0) & (array < 1)):
         raise ValueError(f"{name} must lie in [0, 1), got {value!r}.")
 
 
 def _check_nonnegative(name: str, value: Any) -> None:
-    if isinstance(value, numbers.Real) and not float(value) >= 0.0:
-        raise ValueError(f"{name} must be >= 0, got {value!r}.")
+    """Raises ``ValueError`` unless every concrete entry of ``value`` is finite and ``>= 0``."""
+    array = _concrete(value)
+    if array is not None and not np.all(np.isfinite(array) & (array >= 0)):
+        raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+
+
+def _checked_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.ScalarOrSchedule:
+    """``learning_rate``, checked finite and ``>= 0`` (a negative rate would ascend).
+
+    A number or concrete array is checked here; a schedule is wrapped so that each value it
+    returns outside ``jit`` is checked when it is computed (inside ``jit`` its values are traced;
+    the trainer checks the rate it logs).
+    """
+    if not callable(learning_rate):
+        _check_nonnegative("learning_rate", learning_rate)
+        return learning_rate
+
+    def checked(count: Any) -> Any:
+        value = learning_rate(count)
+        _check_nonnegative(f"learning_rate (the schedule's value at step {count})", value)
+        return value
+
+    return checked
+
+
+def _check_real_floats(tree: Any, what: str) -> None:
+    """Raises ``TypeError`` naming the first leaf of ``tree`` that is not a real float array.
+
+    SONew's statistics and direction are real: an integer parameter would have its update
+    truncated, a complex one its imaginary part dropped.
+    """
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        dtype = jnp.result_type(leaf)
+        if jnp.issubdtype(dtype, jnp.floating):
+            continue
+        hint = (
+            "split it into real and imaginary parts, which SONew updates as two real tensors"
+            if jnp.issubdtype(dtype, jnp.complexfloating)
+            else "leave it out of the optimizer (optax.masked / optax.set_to_zero)"
+        )
+        raise TypeError(
+            f"SONew updates real floating-point {what} only, but {what[:-1]} "
+            f"{jax.tree_util.keystr(path)} has dtype {dtype}: {hint}."
+        )
 
 
 def _static_band(band: Any) -> int | None:
@@ -198,9 +254,11 @@ def _banded_step(
 
 
 def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """``||adam|| / ||u||`` from the pair of norms; ``0`` where ``||u|| == 0``."""
+    """``||adam|| / ||u||`` from the pair of norms; ``0`` where ``||u|| == 0``, NaN where either
+    norm is NaN (a non-finite gradient entry makes the whole tensor's update non-finite)."""
     num, den = grafting
-    return jnp.where(den > 0, num / jnp.where(den > 0, den, 1), 0)
+    zero = den == 0
+    return jnp.where(zero, 0, num / jnp.where(zero, 1, den))
 
 
 def _leaf_step(
@@ -221,7 +279,8 @@ def _leaf_step(
     instead, which :func:`_graft_ratios` merges for all tensors of a shape at once.
     """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
-    if not _preconditioned(len(layout.shape), hyper.precondition_1d):
+    if not _preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
+        # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
@@ -278,10 +337,16 @@ def _band(e: Any) -> int:
     return 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
 
 
+def _empty(layout: ChainLayout) -> bool:
+    """Whether the tensor has no elements (a 0-size dimension): it has no chain to precondition."""
+    return math.prod(layout.shape) == 0
+
+
 def _on_kernel(kernels: bool, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
     """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
     return (
         kernels
+        and not _empty(layout)
         and _preconditioned(len(layout.shape), hyper.precondition_1d)
         and fused.supported(layout, band)
     )
@@ -476,6 +541,7 @@ def scale_by_sonew(
     def init_fn(params: optax.Params) -> ScaleBySONewState | ScaleBySONewLagState:
         if static_band is None:
             raise ValueError("band must be a concrete int when the state is initialised.")
+        _check_real_floats(params, "parameters")
 
         def off_diagonals(p: jax.Array) -> Any:
             if static_band == 0 or not _preconditioned(jnp.ndim(p), precondition_1d):
@@ -516,6 +582,7 @@ def scale_by_sonew(
         **extra_args: Any,
     ) -> tuple[optax.Updates, ScaleBySONewState | ScaleBySONewLagState]:
         del params, extra_args
+        _check_real_floats(updates, "gradients")
         return advance(updates, state, None)
 
     def apply_fn(
@@ -529,6 +596,7 @@ def scale_by_sonew(
         **extra_args: Any,
     ) -> tuple[optax.Params, ScaleBySONewState | ScaleBySONewLagState]:
         del extra_args
+        _check_real_floats(updates, "gradients")
         numbers = (jnp.asarray(x, stats_dtype) for x in (scale, weight_decay))
         return advance(updates, state, _Apply(params, *numbers, _decay_flags(mask, params)))
 
@@ -633,6 +701,7 @@ def sonew(
         params, opt_state = sonew_pax.optim.apply_gradients(tx, grads, opt_state, params)
     """
     _check_nonnegative("weight_decay", weight_decay)
+    learning_rate = _checked_learning_rate(learning_rate)
     precondition = scale_by_sonew(
         b1=b1,
         b2=b2,
