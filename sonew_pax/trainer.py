@@ -243,12 +243,53 @@ def _due(step: int, period: int, last_step: int) -> bool:
     return step == last_step or (period > 0 and step % period == 0)
 
 
+def gin_bindings(config: str) -> dict[str, str]:
+    """``binding -> value`` of a gin config text (``config.gin``), continuation lines joined."""
+    bindings: dict[str, str] = {}
+    key = None
+    for line in config.splitlines():
+        if not line.strip() or line.startswith(("#", "import ", "from ")):
+            key = None
+        elif line[0].isspace() and key is not None:
+            bindings[key] += " " + line.strip()
+        elif " = " in line:
+            key, value = line.split(" = ", 1)
+            bindings[key] = value.strip().removesuffix("\\").strip()
+    return bindings
+
+
+def config_differences(saved: str, current: str, limit: int = 12) -> list[str]:
+    """Lines naming the bindings whose value differs between two gin configs (changed values
+    first, then bindings only one has), at most ``limit``; MODEL_DIR is left out."""
+    before, after = gin_bindings(saved), gin_bindings(current)
+    changed = [f"{k} = {before[k]} (checkpoints) / {after[k]} (this run)"
+               for k in sorted(before.keys() & after.keys())
+               if before[k] != after[k] and k != "MODEL_DIR"]  # fmt: skip
+    only = [f"{k} = {before[k]} (checkpoints only)" for k in sorted(before.keys() - after.keys())]
+    only += [f"{k} = {after[k]} (this run only)" for k in sorted(after.keys() - before.keys())]
+    return (changed + only)[:limit]
+
+
 def _restore_or_init(
     step_fns: Trainer, ckpts: checkpoints.Checkpoints, batches: Any, seed: int
 ) -> tuple[TrainState, dict[str, Any]]:
     """The newest restorable checkpoint (moving ``batches`` to its position) and the trainer's
-    counters saved with it, else a new state and ``{}``."""
-    restored = ckpts.restore_latest(step_fns.layout.abstract_with_shardings())
+    counters saved with it, else a new state and ``{}``.
+
+    Raises:
+      checkpoints.ConfigMismatchError: the checkpoints hold other arrays; the message adds the
+        settings that differ from the run's ``config.gin``.
+    """
+    try:
+        restored = ckpts.restore_latest(step_fns.layout.abstract_with_shardings())
+    except checkpoints.ConfigMismatchError as error:
+        saved = ckpts.model_dir / "config.gin"
+        if not saved.exists():
+            raise
+        lines = config_differences(saved.read_text(), gin.operative_config_str())
+        raise checkpoints.ConfigMismatchError(
+            f"{error}\nSettings that differ from {saved}:\n  " + "\n  ".join(lines)
+        ) from None
     if restored is None:
         logging.info("Initialising a new run in %s", ckpts.model_dir)
         return step_fns.init_state(seed), {}

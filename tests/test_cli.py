@@ -4,17 +4,24 @@ Resume is exact: a run killed with ``kill -9`` after a checkpoint, and a run sto
 then restarted, log the same losses, bit for bit, as a run never interrupted. The interrupted runs
 are started with a huge TRAIN_STEPS (so they are surely still running when interrupted) and
 restarted with the reference's TRAIN_STEPS; the learning rate is constant, so TRAIN_STEPS changes
-nothing else. Also: gin's errors for a misspelled binding or an unset macro, and a clear error for
-a mesh that does not fit the devices. Compiled programs are shared through a persistent cache.
+nothing else. A second run in the same MODEL_DIR is refused while the first lives, and takes over
+its lock after ``kill -9``. Also: exit status 1 and nothing written for a misspelled binding or
+macro, an unset macro, TRAIN_STEPS < 1 or a mesh that does not fit the devices; a diverged run
+exits 1 naming the step, with only finite checkpoints and strict JSON metrics. Compiled programs
+are shared through a persistent cache.
 """
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 STEPS = 30
@@ -94,13 +101,29 @@ def test_kill_9_after_a_checkpoint_then_resume_is_exact(reference, tmp_path, env
         text=True,
     )  # fmt: skip
     wait_for(tmp_path / f"checkpoint_{2 * PERIOD}", process)
-    process.kill()  # SIGKILL: no handler runs
+    process.kill()  # SIGKILL: no handler runs, its lock stays
     process.communicate()
     assert process.returncode == -signal.SIGKILL
     done = run(tmp_path, STEPS, env)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "Took over the lock of a run that is gone" in done.stderr
     assert "Resumed" in done.stderr
     assert losses(tmp_path) == reference  # every step, same bits
+
+
+def test_second_run_in_the_same_model_dir_is_refused(tmp_path, env):
+    process = subprocess.Popen(
+        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        wait_for(tmp_path / "run.lock", process)
+        second = run(tmp_path, STEPS, env)
+    finally:
+        process.kill()
+        process.communicate()
+    assert second.returncode == 1
+    assert f"is in use by another run: pid {process.pid}" in second.stderr
 
 
 def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_path, env):
@@ -131,14 +154,47 @@ def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_pa
         ("--gin.trian.seed=1", "trian"),
         ("--gin.make_mesh.model=3", "model=3"),
         ("--gin.make_mesh.data=1 --gin.make_mesh.model=8", "divisible by mesh axes"),
+        ("--gin.CHEKPOINT_PERIOD=2", "error: --gin.CHEKPOINT_PERIOD sets the macro"),
+        ("--gin.TRAIN_STEPS=0", "error: TRAIN_STEPS"),
     ],
-    ids=["misspelled-parameter", "misspelled-configurable", "mesh-vs-devices", "dim-vs-mesh"],
+    ids=[
+        "misspelled-parameter",
+        "misspelled-configurable",
+        "mesh-vs-devices",
+        "dim-vs-mesh",
+        "misspelled-macro",
+        "train-steps-0",
+    ],
 )
 def test_bad_configuration_fails_at_start(tmp_path, env, flag, message):
-    done = run(tmp_path, STEPS, env, *flag.split())
-    assert done.returncode != 0
+    model_dir = tmp_path / "run"
+    done = run(model_dir, STEPS, env, *flag.split())
+    assert done.returncode == 1
     assert message in done.stderr
-    assert not list(tmp_path.glob("checkpoint_*"))
+    assert not model_dir.exists()  # nothing written
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_diverged_run_exits_with_an_error_and_keeps_only_finite_checkpoints(tmp_path, env):
+    done = run(
+        tmp_path, 60, env, "--gin.learning_rate_schedule.peak_value=1e3",
+        "--gin.CHECKPOINT_PERIOD=2", "--gin.train.keep_checkpoints=2",
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    match = re.search(r"error: step (\d+): non-finite", done.stderr)
+    assert match, done.stderr[-3000:]
+    failed = int(match.group(1))
+    saved = sorted(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
+    assert saved and max(saved) < failed
+    for step in saved:  # finite, read by orbax alone
+        state = ocp.StandardCheckpointer().restore(tmp_path / f"checkpoint_{step}" / "state")
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state)), step
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=_not_json) for line in lines]
+    assert records[-1]["step"] == failed and None in records[-1].values()
 
 
 def test_unset_required_macro_names_it(tmp_path, env):

@@ -174,11 +174,86 @@ def test_minimises_a_quadratic():
         ({"gamma": -1e-3}, "gamma"),
         ({"weight_decay": -0.1}, "weight_decay"),
         ({"mesh": None, "param_specs": {"w": None}}, "mesh"),
+        ({"learning_rate": -1.0}, "learning_rate"),
+        ({"learning_rate": float("nan")}, "learning_rate"),
+        ({"learning_rate": jnp.array([1e-3, -1e-3])}, "learning_rate"),
+        ({"b1": jnp.array(1.5)}, "b1"),
+        ({"b2": np.float32(np.nan)}, "b2"),
+        ({"eps": jnp.array(np.inf)}, "eps"),
     ],
 )
 def test_bad_arguments_name_the_argument(kwargs, name):
+    kwargs = {"learning_rate": 1e-3, **kwargs}
     with pytest.raises(ValueError, match=name):
-        sonew(1e-3, **kwargs)
+        sonew(**kwargs)
+
+
+def test_negative_schedule_value_is_refused_where_concrete():
+    tx = sonew(lambda count: -0.1 * jnp.ones([]))
+    state = tx.init(PARAMS)
+    with pytest.raises(ValueError, match=r"learning_rate .*step 0"):
+        tx.update(PARAMS, state, PARAMS)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hint"), [(jnp.int32, "optax.masked"), (jnp.complex64, "real and imaginary")]
+)
+def test_integer_and_complex_parameters_are_a_type_error_naming_the_path(dtype, hint):
+    params = {"layer": {"w": jnp.ones((3, 3)), "table": jnp.ones((4, 2), dtype)}}
+    with pytest.raises(
+        TypeError, match=rf"\['layer'\]\['table'\] has dtype {dtype.__name__}.*{hint}"
+    ):
+        sonew(1e-3).init(params)
+    state = sonew(1e-3).init({"w": jnp.ones((3, 3))})
+    with pytest.raises(TypeError, match="gradient"):
+        sonew(1e-3).update({"w": jnp.ones((3, 3), dtype)}, state)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("band", [0, 1, 2, 4])
+def test_zero_size_tensors_get_an_empty_update(band, implementation):
+    params = {"w": jnp.ones((0, 5)), "k": jnp.ones((3, 0, 2)), "x": jnp.ones((8, 4))}
+    tx = sonew(1e-2, band=band, implementation=implementation)
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(params, state, params)
+    assert {k: u.shape for k, u in updates.items()} == {k: p.shape for k, p in params.items()}
+    assert bool(jnp.all(jnp.isfinite(updates["x"]))) and bool(jnp.any(updates["x"] != 0))
+    new_params, _ = jax.jit(tx.apply)(params, state, params)
+    assert new_params["w"].shape == (0, 5)
+
+
+def _chain_distance(shape, index, other) -> int:
+    """Distance along the chain (Fortran order) between two multi-indices of ``shape``."""
+    return abs(
+        np.ravel_multi_index(index, shape, order="F")
+        - np.ravel_multi_index(other, shape, order="F")
+    )
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("graft", ["adam", "none"])
+@pytest.mark.parametrize("band", [0, 1, 2, 4])
+def test_one_non_finite_gradient_entry_spreads_by_one_rule(band, graft, implementation):
+    """The documented rule (``scale_by_sonew``): without grafting, the entries within ``band``
+    chain positions of a non-finite gradient entry are non-finite, the others finite; with Adam
+    grafting, the whole tensor's update is non-finite. Every band, both implementations."""
+    shape, bad = (16, 8), (5, 3)
+    tx = scale_by_sonew(band=band, graft=graft, implementation=implementation)
+    g = jax.random.normal(jax.random.key(0), shape)
+    state = tx.init({"w": g})
+    _, state = tx.update({"w": g}, state)
+    updates, _ = tx.update({"w": g.at[bad].set(jnp.nan)}, state)
+    non_finite = ~np.isfinite(np.asarray(updates["w"]))
+    if graft == "adam":
+        assert non_finite.all()
+        return
+    near = np.array(
+        [
+            [_chain_distance(shape, bad, (i, j)) <= band for j in range(shape[1])]
+            for i in range(shape[0])
+        ]
+    )
+    np.testing.assert_array_equal(non_finite, near)
 
 
 @pytest.mark.parametrize("band", [0, 1, 4])

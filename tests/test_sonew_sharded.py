@@ -95,6 +95,20 @@ def test_sharded_equals_unsharded(x64, mesh_shape, band):
             assert sonew_state.e[k].sharding.is_equivalent_to(band_sharding, ndim + 1)
 
 
+@pytest.mark.parametrize("band", [0, 1, 2])
+def test_sharded_zero_size_tensors(band):
+    """A 0-size dimension, sharded or not, gets an empty update beside the others' usual one."""
+    mesh = make_mesh((2, 4))
+    params = {
+        "empty_rows": jnp.ones((0, 8)),
+        "empty_cols": jnp.ones((4, 0)),
+        "w": jnp.asarray(np.random.default_rng(0).normal(size=(4, 8)), jnp.float32),
+    }
+    specs = {"empty_rows": P(None, "model"), "empty_cols": P("data", None), "w": P("data", "model")}
+    grads_seq = [jax.tree.map(lambda p: p * (k + 1), params) for k in range(2)]
+    assert_sharded_matches(dict(band=band), params, specs, mesh, grads_seq, rtol=1e-5)
+
+
 def test_compiled_update_has_no_gathers():
     """Only collective-permutes (halos) and all-reduces (grafting norms): nothing is gathered."""
     params, specs = case((2, 4))
