@@ -256,6 +256,18 @@ def test_one_non_finite_gradient_entry_spreads_by_one_rule(band, graft, implemen
     np.testing.assert_array_equal(non_finite, near)
 
 
+def test_non_finite_spread_with_graft_lag_reaches_the_whole_tensor_a_step_later():
+    g = jax.random.normal(jax.random.key(0), (16, 8))
+    tx = scale_by_sonew(band=1, graft_lag=True)
+    state = tx.init({"w": g})
+    for grads in ({"w": g}, {"w": g}):
+        _, state = tx.update(grads, state)
+    now, state = tx.update({"w": g.at[5, 3].set(jnp.nan)}, state)
+    later, _ = tx.update({"w": g}, state)
+    assert int(jnp.sum(~jnp.isfinite(now["w"]))) == 3  # the lagged ratio was finite
+    assert not bool(jnp.any(jnp.isfinite(later["w"])))
+
+
 @pytest.mark.parametrize("band", [0, 1, 4])
 def test_bf16_momentum_and_offdiagonals(band):
     """``momentum_dtype`` / ``offdiag_dtype`` store m and e in bf16 (d stays fp32): the state

@@ -526,6 +526,21 @@ def scale_by_sonew(
       Where the kernels know the graft ratio before the step (``graft_lag=True``, or
       ``graft="none"``) they write the parameters in place in the step's pass instead of writing
       ``u``; elsewhere XLA adds ``u`` as ``optax.apply_updates`` would.
+
+    Raises:
+      ValueError: a hyperparameter out of range (concrete values, arrays included), naming it.
+      TypeError: from ``init`` and ``update``: a parameter or gradient that is not a real
+        floating-point array (integer, bool, complex), naming its path.
+
+    Non-finite gradients. One rule for every band, on both implementations: a non-finite entry of
+    a tensor's gradient makes that tensor's update non-finite at the entries within ``band`` chain
+    positions of it (``2 band + 1`` entries; the entry alone for the diagonal) when
+    ``graft="none"``, and everywhere in the tensor with Adam grafting (the norms that scale it
+    are taken over the whole tensor; with ``graft_lag`` from the next step on, as the ratio that
+    carries them is the next step's). Nothing is silently zeroed. The state keeps the non-finite
+    values (``m``, ``d`` at the entry, ``e`` on its ``2 band`` edges), so the tensor's later
+    updates stay non-finite: the trainer stops, or skips such a step before the optimizer sees it
+    (``train.non_finite``). Tensors with a 0-size dimension get an empty update.
     """
     hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
     _validate(hyper, graft_lag, mesh, param_specs)
