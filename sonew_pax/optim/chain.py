@@ -16,8 +16,7 @@ The grafting norms (:func:`norms`) are one local reduction followed by ``pmax``/
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,112 +53,28 @@ def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
     """Returns ``y`` with ``y[i] = x[i + k]`` along the chain (zero where ``i + k`` is off it).
 
     ``x`` may carry leading batch axes in front of the tensor's own axes (e.g. the stacked band
-    axis of the off-diagonal statistics); they are shifted independently. For a sharded layout
-    (inside ``shard_map``) the slabs it needs come from the other shards (`run`).
+    axis of the off-diagonal statistics); they are shifted independently.
 
     Args:
       x: the (local block of the) tensor, shape ``(*batch, *local_shape)``.
       k: the step along the chain, positive (successors) or negative (predecessors).
       layout: the tensor's :class:`ChainLayout`.
     """
-    return run(_shift(x, k, layout, 0))
+    return _shift(x, k, layout, 0)
 
 
 def shift_many(xs: list[jax.Array], k: int, layout: ChainLayout) -> list[jax.Array]:
-    """:func:`shift` of several tensors of one layout (sharded, their slabs travel together)."""
-    return run(parallel([_shift(x, k, layout, 0) for x in xs]))
+    """:func:`shift` of several same-shaped, same-dtype tensors of one layout.
+
+    Sharded, they travel together (one halo exchange instead of one each: collective-permutes are
+    latency-bound); unsharded, each is shifted on its own so nothing is stacked in memory.
+    """
+    if not layout.mesh_axes:
+        return [shift(x, k, layout) for x in xs]
+    return list(shift(jnp.stack(xs), k, layout))
 
 
-# --- Exchange programs ------------------------------------------------------------------------
-#
-# Everything that moves data between shards is written as a generator, an *exchange program*:
-# it yields the list of `Send`s it needs at that point and is resumed with what they delivered,
-# then returns its result. `parallel` runs several programs in lock step, merging their requests
-# round by round, and `run` performs each round's requests with one collective-permute per
-# (mesh axes, offset): however many tensors take part, a round costs as many messages as it has
-# distinct directions. A program that needs nothing from other shards returns at once.
-
-
-class Send(NamedTuple):
-    """One request of an exchange program: shard ``s`` receives ``array`` (as computed on shard
-    ``(s + offset) mod P``) from along the mesh axes ``names`` (``P`` shards, block order)."""
-
-    array: jax.Array
-    names: MeshAxes
-    offset: int
-
-
-Program = Generator[list[Send], list[jax.Array], Any]
-
-
-def parallel(programs: list[Program]) -> Program:
-    """An exchange program running ``programs`` in lock step; returns their results in order."""
-    results: list[Any] = [None] * len(programs)
-    requests: dict[int, list[Send]] = {}
-
-    def advance(i: int, received: list[jax.Array] | None) -> None:
-        try:
-            requests[i] = programs[i].send(received)
-        except StopIteration as stop:
-            requests.pop(i, None)
-            results[i] = stop.value
-
-    for i in range(len(programs)):
-        advance(i, None)
-    while requests:
-        order = [(i, len(sends)) for i, sends in requests.items()]
-        received = yield [send for sends in requests.values() for send in sends]
-        at = 0
-        for i, count in order:
-            advance(i, received[at : at + count])
-            at += count
-    return results
-
-
-def run(program: Program) -> Any:
-    """Performs ``program``'s requests round by round (`exchange`) and returns its result."""
-    try:
-        sends = program.send(None)
-        while True:
-            sends = program.send(exchange(sends))
-    except StopIteration as stop:
-        return stop.value
-
-
-def exchange(sends: list[Send]) -> list[jax.Array]:
-    """What each of ``sends`` delivers: the arrays going the same way (same mesh axes and offset)
-    are packed into one byte buffer and moved by one collective-permute."""
-    received: list[jax.Array | None] = [None] * len(sends)
-    groups: dict[tuple[MeshAxes, int], list[int]] = {}
-    for i, send in enumerate(sends):
-        groups.setdefault((send.names, send.offset), []).append(i)
-    for (names, offset), members in groups.items():
-        arrays = [sends[i].array for i in members]
-        buffer = jnp.concatenate([_as_bytes(x) for x in arrays])
-        num_shards = math.prod(lax.axis_size(n) for n in names)
-        buffer = _fetch_from(buffer, offset, names, num_shards)
-        at = 0
-        for i, x in zip(members, arrays, strict=True):
-            size = x.size * x.dtype.itemsize
-            received[i] = _from_bytes(buffer[at : at + size], x.shape, x.dtype)
-            at += size
-    return received
-
-
-def _as_bytes(x: jax.Array) -> jax.Array:
-    """``x``'s bytes, flat (uint8)."""
-    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
-
-
-def _from_bytes(data: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
-    """The inverse of `_as_bytes`."""
-    itemsize = jnp.dtype(dtype).itemsize
-    if itemsize == 1:
-        return lax.bitcast_convert_type(data.reshape(shape), dtype)
-    return lax.bitcast_convert_type(data.reshape(*shape, itemsize), dtype)
-
-
-def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> Program:
+def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> jax.Array:
     """Shift by ``k`` in the Fortran order of tensor axes ``a, a+1, ...`` (earlier ones are batch).
 
     With ``N`` the global size of axis ``a`` and ``k = q N + t`` (``0 <= t < N``), row ``i`` of the
@@ -175,161 +90,46 @@ def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> Program:
     n = layout.shape[a]
     q, t = divmod(k, n)
     if t == 0:
-        return (yield from _shift(x, q, layout, a + 1))
+        return _shift(x, q, layout, a + 1)
     if layout.shards[a] == 1:
-        head, tail = yield from parallel([
-            _shift(lax.slice_in_dim(x, t, n, axis=axis), q, layout, a + 1),
-            _shift(lax.slice_in_dim(x, 0, t, axis=axis), q + 1, layout, a + 1),
-        ])  # fmt: skip
+        head = _shift(lax.slice_in_dim(x, t, n, axis=axis), q, layout, a + 1)
+        tail = _shift(lax.slice_in_dim(x, 0, t, axis=axis), q + 1, layout, a + 1)
         return jnp.concatenate([head, tail], axis=axis)
-    return (yield from _shift_sharded_axis(x, q, t, layout, a, axis))
-
-
-def _rows_from(
-    block: jax.Array, w: int, q: int, layout: ChainLayout, a: int, shards: int, carry: int
-) -> Program:
-    """Every shard ``s`` along axis ``a`` receives ``block`` (some of its own rows) as computed on
-    shard ``s' = (s + w) mod P``, after the rest-axes shift by ``q``, or by ``q + carry`` where
-    the fetch wraps around the axis: ``carry = 1`` (``w > 0``) where ``s + (w mod P) >= P``, i.e.
-    ``s' < w mod P``; ``carry = -1`` (``w < 0``) where ``s - (-w mod P) < 0``, i.e.
-    ``s' >= w mod P``. ``q`` counts the whole turns of ``|w| >= P``."""
-    offset = w % shards
-    wraps = offset != 0 and carry != 0
-    plain_program = _shift(block, q, layout, a + 1)
-    if not wraps:
-        send = yield from plain_program
-    else:
-        plain, carried = yield from parallel(
-            [plain_program, _shift(block, q + carry, layout, a + 1)]
-        )
-        index = lax.axis_index(layout.axes[a])
-        wrapped = index < offset if carry > 0 else index >= offset
-        send = jnp.where(wrapped, carried, plain)
-    if offset == 0:
-        return send
-    (received,) = yield [Send(send, layout.axes[a], offset)]
-    return received
+    return _shift_sharded_axis(x, q, t, layout, a, axis)
 
 
 def _shift_sharded_axis(
     x: jax.Array, q: int, t: int, layout: ChainLayout, a: int, axis: int
-) -> Program:
+) -> jax.Array:
     """:func:`_shift` along an axis split into ``P`` shards of ``l`` rows (inside ``shard_map``).
 
     Write ``t = u l + v`` (``0 <= v < l``). Local rows ``[0, l - v)`` come from rows ``[v, l)`` of
     shard ``s + u`` and rows ``[l - v, l)`` from rows ``[0, v)`` of shard ``s + u + 1`` (indices
     mod ``P``). A piece fetched from shard ``s + w`` has wrapped past the end of the axis, and so
-    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``: the sender picks the
-    right version and sends one slab.
+    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``, i.e. when the *sender*
+    ``s' = (s + w) mod P`` has ``s' < w``: the sender picks the right version and sends one slab.
     """
-    shards = layout.shards[a]
+    num_shards = layout.shards[a]
+    names = layout.axes[a]
     rows = x.shape[axis]
     u, v = divmod(t, rows)
+    index = lax.axis_index(names)
 
-    def piece(start: int, stop: int, w: int) -> Program:
+    def piece(start: int, stop: int, w: int) -> jax.Array:
         block = lax.slice_in_dim(x, start, stop, axis=axis)
-        if w == shards:  # every shard's piece wrapped: all carried, each from itself
-            return (yield from _rows_from(block, 0, q + 1, layout, a, shards, 0))
-        return (yield from _rows_from(block, w, q, layout, a, shards, 1))
+        plain = _shift(block, q, layout, a + 1) if w < num_shards else None
+        carried = _shift(block, q + 1, layout, a + 1) if w > 0 else None
+        if carried is None:
+            send = plain
+        elif plain is None:
+            send = carried
+        else:
+            send = jnp.where(index < w, carried, plain)
+        return _fetch_from(send, w % num_shards, names, num_shards)
 
     if v == 0:
-        return (yield from piece(0, rows, u))
-    first, second = yield from parallel([piece(v, rows, u), piece(0, v, u + 1)])
-    return jnp.concatenate([first, second], axis=axis)
-
-
-def halo_width(band: int) -> tuple[int, int]:
-    """How far before and after an element along the chain its step reads its inputs.
-
-    Band 1 (``sonew._banded_step``): ``u_i`` reads ``(g, m, d)`` at ``i - 1 .. i + 1`` and the edge
-    statistics at ``i - 1`` and ``i``. Band ``b >= 2`` (``solve.precondition``): the factor of
-    vertex ``j`` reads its window ``[j, j + b]`` and the cut tests of ``j .. j + b - 1`` (each its
-    own window), so ``[j, j + 2b - 1]``; ``u_i`` applies the factors of ``i - b .. i``.
-    """
-    if band == 0:
-        return 0, 0
-    if band == 1:
-        return 1, 1
-    return band, 2 * band - 1
-
-
-class Extended(NamedTuple):
-    """A shard's arrays extended along the chain by the neighbours' boundary slices (`extend`).
-
-    A whole-tensor step on ``arrays`` (with ``layout``, unsharded) computes the shard's values
-    exactly at ``[start, start + size)`` along tensor axis ``axis``; the rest is halo.
-
-    Attributes:
-      arrays: the extended arrays, in the order given to `extend`.
-      layout: the whole-tensor layout of the extended block.
-      axis: the tensor axis that was extended (the first sharded one).
-      start: where the shard's own rows begin along it.
-      size: how many there are.
-    """
-
-    arrays: list[jax.Array]
-    layout: ChainLayout
-    axis: int
-    start: int
-    size: int
-
-    def local(self, x: jax.Array) -> jax.Array:
-        """The shard's own part of ``x``, an array (with leading batch axes) of the block."""
-        axis = x.ndim - len(self.layout.shape) + self.axis
-        return lax.slice_in_dim(x, self.start, self.start + self.size, axis=axis)
-
-
-def extend(xs: list[jax.Array], layout: ChainLayout, before: int, after: int) -> Program:
-    """An exchange program returning `Extended` blocks of the local arrays ``xs`` (one sharded
-    layout; each may carry leading batch axes), with at least ``before`` / ``after`` chain
-    elements of halo on either side.
-
-    Along the tensor's first sharded axis ``a`` every slice holds ``S = prod(shape[:a])``
-    consecutive chain elements, so ``ceil(before / S)`` slices are fetched from the shards before
-    and ``ceil(after / S)`` from those after (several shards away when shards are thinner than
-    that), with the carry into the later axes where the chain wraps past the end of axis ``a``
-    (the rest-axes shift of `_rows_from`, itself an exchange where later axes are sharded).
-    Off the chain's ends the halo is zero, as :func:`shift` is.
-    """
-    a = next(i for i, n in enumerate(layout.shards) if n > 1)
-    slab = math.prod(layout.shape[:a])
-    shards = layout.shards[a]
-    rows = layout.shape[a] // shards
-    counts = (-(-before // slab), -(-after // slab))
-    halos = yield from parallel([
-        _halo(x, layout, a, rows, count, direction)
-        for x in xs
-        for count, direction in zip(counts, (-1, 1), strict=True)
-    ])  # fmt: skip
-    rank = len(layout.shape)
-    arrays = [
-        jnp.concatenate([halos[2 * i], x, halos[2 * i + 1]], axis=x.ndim - rank + a)
-        for i, x in enumerate(xs)
-    ]
-    shape = [n // k for n, k in zip(layout.shape, layout.shards, strict=True)]
-    shape[a] = rows + sum(counts)
-    return Extended(arrays, ChainLayout.unsharded(tuple(shape)), a, counts[0], rows)
-
-
-def _halo(
-    x: jax.Array, layout: ChainLayout, a: int, rows: int, count: int, direction: int
-) -> Program:
-    """The ``count`` slices along axis ``a`` that precede (``direction = -1``) or follow (``1``)
-    the shard's block on the chain: hop ``h`` brings the nearest rows of shard ``s + h direction``,
-    wrapping around the axis with a carry (whole turns ``h // P`` for hops beyond the axis)."""
-    axis = x.ndim - len(layout.shape) + a
-    shards = layout.shards[a]
-    programs = []
-    for hop in range(1, -(-count // rows) + 1):
-        m = min(rows, count - (hop - 1) * rows)
-        start = 0 if direction > 0 else rows - m
-        block = lax.slice_in_dim(x, start, start + m, axis=axis)
-        turns = direction * (hop // shards)
-        programs.append(_rows_from(block, direction * hop, turns, layout, a, shards, direction))
-    pieces = yield from parallel(programs)
-    if not pieces:
-        return lax.slice_in_dim(x, 0, 0, axis=axis)
-    return jnp.concatenate(pieces[::-1] if direction < 0 else pieces, axis=axis)
+        return piece(0, rows, u)
+    return jnp.concatenate([piece(v, rows, u), piece(0, v, u + 1)], axis=axis)
 
 
 def _fetch_from(y: jax.Array, offset: int, names: MeshAxes, num_shards: int) -> jax.Array:
@@ -386,26 +186,26 @@ def _nrm2_combine(acc: tuple, x: tuple) -> tuple:
     return tuple(out)
 
 
-def norm_pairs(xs: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """The ``(scale, scaled sum of squares)`` pairs of same-shaped arrays, in one pass.
+def norms(xs: list[jax.Array], layout: ChainLayout) -> list[jax.Array]:
+    """Euclidean norms of same-shaped arrays, safe from underflow and overflow, in one pass.
 
-    Equal to ``M`` and ``sum (x / M)^2`` with ``M = max|x|`` (up to rounding), computed as one
-    variadic reduction (:func:`_nrm2_combine`) for all ``xs`` together: the inputs are read once
-    instead of four times for two two-pass norms. ``||x|| = scale * sqrt(sum)``; pairs of the
-    shards of a tensor merge with :func:`merge_norm_parts`. Returns two ``(len(xs),)`` arrays.
+    Equal to ``M * ||x / M||`` with ``M = max|x|`` (up to rounding), but computed as one variadic
+    reduction over ``(scale, scaled sum of squares)`` pairs (:func:`_nrm2_combine`) for all ``xs``
+    together: the inputs are read once instead of four times for two two-pass norms. Sharded, the
+    local pairs are combined with one ``pmax`` and one ``psum``.
     """
     operands, inits = [], []
     for x in xs:
         operands += [jnp.abs(x), jnp.ones_like(x)]
         inits += [jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)]
     pairs = lax.reduce(tuple(operands), tuple(inits), _nrm2_combine, tuple(range(xs[0].ndim)))
-    return jnp.stack(pairs[0::2]), jnp.stack(pairs[1::2])
-
-
-def norms(xs: list[jax.Array]) -> list[jax.Array]:
-    """Euclidean norms of same-shaped arrays, safe from underflow and overflow (`norm_pairs`)."""
-    scales, sums = norm_pairs(xs)
-    return list(scales * jnp.sqrt(sums))
+    scales, sums = jnp.stack(pairs[0::2]), jnp.stack(pairs[1::2])
+    if not layout.mesh_axes:
+        return list(scales * jnp.sqrt(sums))
+    axes = layout.mesh_axes
+    return list(
+        merge_norm_parts(scales, sums, lambda x: lax.pmax(x, axes), lambda x: lax.psum(x, axes))
+    )
 
 
 def merge_norm_parts(scales, sums, reduce_max, reduce_sum) -> jax.Array:

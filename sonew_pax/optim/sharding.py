@@ -1,12 +1,11 @@
 """Sharded SONew: the update under ``jax.shard_map`` with the parameters' own partition specs.
 
-Each device updates only its block of every parameter, gradient and statistic. Before the step,
-the boundary slabs its neighbours' chains need (the halo of ``g``, ``m``, ``d`` and ``e``) travel
-for all tensors at once, one collective-permute per direction (``chain.extend``); each tensor's
-step then runs on its extended block without further exchange. The grafting norms are local pairs
-merged by one ``pmax`` and one ``psum`` per group of tensors split over the same mesh axes, so the
-lagged graft ratios (``graft_lag``) are replicated. Nothing is gathered, so the compiled update
-holds collective-permutes and all-reduces only, and it equals the single-device update.
+Each device updates only its block of every parameter, gradient and statistic. The neighbour
+products ``g_i g_{i+k}``, the banded solve and ``u = X m`` fetch thin halos from the neighbouring
+shards along each sharded axis (``ppermute``, see ``chain.shift``); the grafting norms are local
+sums followed by ``psum``, so the lagged graft ratios (``graft_lag``) are replicated. Nothing is
+gathered, so the compiled update holds collective-permutes and all-reduces only, and it equals the
+single-device update.
 """
 
 from __future__ import annotations
@@ -74,16 +73,15 @@ def _band_spec(spec: P) -> P:
     return P(None, *spec)
 
 
-def sharded_step(tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any) -> Callable:
+def sharded_step(
+    tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any, check_vma: bool = True
+) -> Callable:
     """Wraps SONew's whole-tree step in ``jax.shard_map`` over ``mesh`` with ``param_specs``.
 
-    shard_map's varying-axes type check is off: the halo exchange packs the boundary slabs of
-    tensors split over different mesh axes into one buffer per direction (``chain.exchange``),
-    whose type then varies over all of them, though every replica of a tensor sends and receives
-    the same values; and the Pallas kernels' outputs carry no such type. With the fused apply
-    (``apply``: the parameters, the scalars ``scale`` and ``weight_decay`` and static
-    per-parameter flags ``decayed``) the parameters are sharded like the gradients and the step
-    returns them in place of ``u``.
+    ``check_vma`` is shard_map's varying-axes type check; SONew turns it off only for its Pallas
+    kernels, whose outputs carry no such type. With the fused apply (``apply``: the parameters,
+    the scalars ``scale`` and ``weight_decay`` and static per-parameter flags ``decayed``) the
+    parameters are sharded like the gradients and the step returns them in place of ``u``.
     """
 
     def step(updates, m, d, e, ratio, corrections, apply=None):
@@ -129,7 +127,7 @@ def sharded_step(tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any)
             mesh=mesh,
             in_specs=tuple(in_specs),
             out_specs=(specs, specs, specs, e_specs, P()),
-            check_vma=False,
+            check_vma=check_vma,
         )(*inputs)
 
     return step

@@ -39,22 +39,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from sonew_pax.optim import fused, pointwise, solve
-from sonew_pax.optim.chain import (
-    ChainLayout,
-    Extended,
-    extend,
-    halo_width,
-    merge_norm_parts,
-    norm_pairs,
-    norms,
-    parallel,
-    run,
-    shift,
-    shift_many,
-)
+from sonew_pax.optim.chain import ChainLayout, merge_norm_parts, norms, shift, shift_many
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
 from sonew_pax.optim.transform import GradientTransformationWithApply
 
@@ -236,10 +223,9 @@ def _kernels_enabled(implementation: str, mesh: Any) -> bool:
 
 def _banded_step(
     raw: Raw, e: Any, band: int, corrections, hyper: Hyper, layout: ChainLayout
-) -> Step:
-    """The XLA path on a whole tensor (or a shard's `chain.Extended` block): :mod:`pointwise` on
-    chain shifts for bands 0 and 1, the generic banded solve (``solve.precondition``) for wider
-    bands."""
+) -> tuple[Step, tuple[jax.Array, jax.Array] | None]:
+    """The XLA path: :mod:`pointwise` on chain shifts for bands 0 and 1, the generic banded solve
+    (``solve.precondition``) for wider bands; the grafting norms in one reduction."""
     bc1, bc2 = corrections
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
@@ -263,16 +249,8 @@ def _banded_step(
         e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g, successors, hyper)
         u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
         step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
-    return step
-
-
-class _ShardNorms(NamedTuple):
-    """A sharded tensor's local ``(scale, sum)`` pairs (``chain.norm_pairs``) of its Adam and
-    SONew directions, merged over the mesh ``axes`` it is split on by :func:`_graft_ratios`."""
-
-    scales: jax.Array
-    sums: jax.Array
-    axes: tuple[str, ...]
+    grafting = norms([step.adam, step.u], layout) if hyper.graft == "adam" else None
+    return step, grafting
 
 
 def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -291,18 +269,14 @@ def _leaf_step(
     corrections: tuple[jax.Array, jax.Array],
     hyper: Hyper,
     layout: ChainLayout,
-    extended: Extended | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, Any, Any]:
+) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
     graft)``.
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
-    A sharded tensor's step runs on its `chain.Extended` block ``extended`` (bands >= 1;
-    :func:`_extend_shards`) as on a whole tensor, and keeps the shard's own part: no exchange
-    happens here. ``graft`` is ``None`` when nothing is grafted, else this step's ratio
-    ``||adam|| / ||u||`` (a scalar) for a whole tensor, or the shard's :class:`_ShardNorms`. The
-    kernels' steps (:func:`_leaf_steps`) return per-tile norm pairs ``(4, tiles)`` instead;
-    :func:`_graft_ratios` merges both kinds for many tensors at once.
+    ``graft`` is ``None`` when nothing is grafted, else this step's ratio ``||adam|| / ||u||`` (a
+    scalar). The kernels' steps (:func:`_leaf_steps`) return per-tile norm pairs ``(4, tiles)``
+    instead, which :func:`_graft_ratios` merges for all tensors of a shape at once.
     """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not _preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
@@ -311,60 +285,10 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = _band(e)
-    if extended is None:
-        step = _banded_step(raw, e, band, corrections, hyper, _whole(layout))
-    else:
-        g_x, m_x, d_x, e_x = extended.arrays
-        raw_x = Raw(g_x.astype(d.dtype), m_x, d_x)
-        step = _banded_step(raw_x, e_x, band, corrections, hyper, extended.layout)
-        step = Step(*(extended.local(x) for x in step))
+    step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    graft = None
-    if hyper.graft == "adam":
-        pairs = [step.adam, step.u]
-        graft = (
-            _ShardNorms(*norm_pairs(pairs), layout.mesh_axes)
-            if _sharded(layout)
-            else _graft_ratio(tuple(norms(pairs)))
-        )
-    return step.u, step.m.astype(m.dtype), step.d, e_new, graft
-
-
-def _sharded(layout: ChainLayout) -> bool:
-    """Whether the tensor is split over devices (mesh axes of size 1 split nothing)."""
-    return any(n > 1 for n in layout.shards)
-
-
-def _whole(layout: ChainLayout) -> ChainLayout:
-    """``layout`` without its mesh axes, for a tensor that is whole on each device (replicated,
-    or split over axes of size 1)."""
-    return ChainLayout.unsharded(layout.shape)
-
-
-def _extend_shards(
-    grads: list, m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
-) -> list[Extended | None]:
-    """The `chain.Extended` blocks of every sharded tensor the XLA path preconditions with band
-    >= 1 (``None`` for the others): ``g``, ``m``, ``d`` and ``e`` extended by the halo their step
-    reads (``chain.halo_width``), all tensors' boundary slabs in one exchange
-    (``chain.parallel``): as many collective-permutes as distinct directions, whatever the number
-    of tensors. The halos are read from the step's inputs, before anything is written."""
-    programs, members = [], []
-    for k, lay in enumerate(layouts):
-        band = _band(e[k])
-        if (
-            band >= 1
-            and _sharded(lay)
-            and not _empty(lay)
-            and not _on_kernel(kernels, lay, band, hyper)
-            and _preconditioned(len(lay.shape), hyper.precondition_1d)
-        ):
-            programs.append(extend([grads[k], m[k], d[k], e[k]], lay, *halo_width(band)))
-            members.append(k)
-    extended: list[Extended | None] = [None] * len(layouts)
-    for k, block in zip(members, run(parallel(programs)), strict=True):
-        extended[k] = block
-    return extended
+    ratio = None if grafting is None else _graft_ratio(grafting)
+    return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
 
 
 def _leaf_steps(
@@ -379,14 +303,13 @@ def _leaf_steps(
     (``fused.group_update``, ``fused.launch_group`` tensors each); :func:`_leaf_step` on XLA
     for the others."""
     grads, m, d, e, _, layouts = leaves
-    extended = _extend_shards(grads, m, d, e, layouts, hyper, kernels)
     steps: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(fused.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
-            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay, extended[k])
+            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay)
     for (shape, band, *_), members in groups.items():
         size = fused.launch_group(shape, band)
         for start in range(0, len(members), size):
@@ -457,34 +380,19 @@ def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
 _GRAFT_GROUP = 32
 
 
-def _graft_ratios(grafts: list[Any]) -> list[jax.Array | None]:
+def _graft_ratios(grafts: list[jax.Array | None]) -> list[jax.Array | None]:
     """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``.
 
     The kernels' per-tile norm pairs are merged (``chain.merge_norm_parts``) for the tensors of
     one shape together (up to ``_GRAFT_GROUP`` at a time), over their stacked pairs: a model's
-    update launches a few reductions instead of several small ones per tensor. The shards' pairs
-    (:class:`_ShardNorms`) of all tensors split over the same mesh axes merge in one ``pmax`` and
-    one ``psum``. (A whole tensor's XLA ratio is already reduced: its norm reduction fuses with
-    the step.)
+    update launches a few reductions instead of several small ones per tensor. (The XLA path's
+    ratios are already reduced: its norm reduction fuses with the step.)
     """
-    by_axes: dict[tuple[str, ...], list[int]] = {}
     groups: dict[tuple[int, ...], list[int]] = {}
     for k, graft in enumerate(grafts):
-        if isinstance(graft, _ShardNorms):
-            by_axes.setdefault(tuple(sorted(graft.axes)), []).append(k)
-        elif graft is not None and graft.ndim == 2:
+        if graft is not None and graft.ndim == 2:
             groups.setdefault(graft.shape, []).append(k)
     ratios = list(grafts)
-    for axes, members in by_axes.items():
-        total = merge_norm_parts(
-            jnp.stack([grafts[k].scales for k in members]),  # (tensors, 2)
-            jnp.stack([grafts[k].sums for k in members]),
-            lambda x, axes=axes: lax.pmax(x, axes),
-            lambda x, axes=axes: lax.psum(x, axes),
-        )
-        ratio = _graft_ratio((total[:, 0], total[:, 1]))
-        for i, k in enumerate(members):
-            ratios[k] = ratio[i]
     over_tiles = (partial(jnp.max, axis=2, keepdims=True), partial(jnp.sum, axis=2, keepdims=True))
     chunks = [
         members[start : start + _GRAFT_GROUP]
@@ -759,7 +667,9 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
 
     from sonew_pax.optim import sharding  # local import: sharding imports this module's state
 
-    return sharding.sharded_step(tree_step, mesh, param_specs)
+    # Pallas kernels (fused.py) declare plain output shapes, without the varying-axes type that
+    # shard_map's check wants; their replicated outputs come from replicated inputs alone.
+    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=not kernels)
 
 
 def sonew(
