@@ -109,6 +109,30 @@ def test_sharded_zero_size_tensors(band):
     assert_sharded_matches(dict(band=band), params, specs, mesh, grads_seq, rtol=1e-5)
 
 
+@pytest.mark.parametrize("band", [2, 4])
+def test_sharded_equals_unsharded_where_the_chain_is_cut(x64, band):
+    """A large ``gamma`` cuts the chain at data-dependent vertices (Algorithm 3), so an element's
+    update reads inputs up to ``2 band - 1`` positions ahead; shards of 2 and 3 rows are thinner
+    than that, so the neighbours come from several shards away."""
+    mesh = make_mesh((2, 4))
+    params = {
+        "thin": jnp.zeros((16, 3)),
+        "thin_cols": jnp.zeros((3, 24)),
+        "cube": jnp.zeros((4, 2, 6)),
+    }
+    specs = {
+        "thin": P(("data", "model"), None),
+        "thin_cols": P(None, ("model", "data")),
+        "cube": P("model", None, "data"),
+    }
+    rng = np.random.default_rng(band)
+    grads_seq = [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(4)
+    ]
+    kwargs = dict(band=band, eps=1e-3, gamma=0.3, stats_dtype=jnp.float64)
+    assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
+
+
 def test_compiled_update_has_no_gathers():
     """Only collective-permutes (halos) and all-reduces (grafting norms): nothing is gathered."""
     params, specs = case((2, 4))
