@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import ScaleBySONewState, sonew, state_partition_specs
+from sonew_pax.optim import ScaleBySONewState, sonew, specs_of, state_partition_specs
 
 
 def make_mesh(shape):
@@ -231,3 +231,73 @@ def test_sharded_bf16_state_equals_unsharded(band):
         assert sonew_state.m[k].dtype == jnp.bfloat16 and sonew_state.d[k].dtype == jnp.float32
         assert sonew_state.e[k].dtype == jnp.bfloat16
         assert sonew_state.m[k].sharding.is_equivalent_to(NamedSharding(mesh, spec), params[k].ndim)
+
+
+def _placed(params, specs, mesh):
+    return jax.tree.map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)), params, specs)
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["auto-mesh", "explicit-mesh"])
+@pytest.mark.parametrize("with_mesh", [False, True], ids=["no-mesh-arg", "mesh-arg"])
+def test_eager_init_follows_the_parameters_shardings(explicit, with_mesh):
+    """As optax's states do: every state array where its parameter lives, scalars replicated."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    kind = jax.sharding.AxisType.Explicit if explicit else jax.sharding.AxisType.Auto
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(kind, kind))
+    params, specs = case((2, 4))
+    params = _placed(params, specs, mesh)
+    kwargs = dict(mesh=mesh, param_specs=specs) if with_mesh else {}
+    state = sonew(0.1, band=2, precondition_1d=True, graft_lag=True, **kwargs).init(params)
+    wanted = state_partition_specs(state, specs)
+    for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(wanted), strict=True):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
+
+
+def test_specs_read_from_the_parameters_and_checked_against_them():
+    mesh = make_mesh((2, 4))
+    params, specs = case((2, 4))
+    params = _placed(params, specs, mesh)
+    read = specs_of(params)
+    for name, spec in specs.items():
+        padded = tuple(spec) + (None,) * (params[name].ndim - len(spec))
+        assert tuple(read[name]) == padded
+    sonew(0.1, mesh=mesh, param_specs=read).init(params)  # agrees
+    as_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
+    sonew(0.1, param_specs=as_shardings).init(params)  # NamedShardings: their mesh is used
+    wrong = {**specs, "rows": P(None, "model")}
+    with pytest.raises(ValueError, match=r"parameter \['rows'\] is laid out as"):
+        sonew(0.1, mesh=mesh, param_specs=wrong).init(params)
+    other = make_mesh((4, 2))
+    with pytest.raises(ValueError, match=r"param_specs\['\w+'\] is a NamedSharding on mesh"):
+        sonew(0.1, mesh=other, param_specs=as_shardings)
+
+
+@pytest.mark.parametrize("with_mesh", [False, True], ids=["no-mesh-arg", "mesh-arg"])
+def test_explicit_mesh_update_equals_unsharded(x64, with_mesh):
+    """On a mesh with Explicit axes the arrays' types carry their specs: without ``mesh=`` the
+    update reads them and runs sharded (no gathers), and equals the single-device update."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=explicit)
+    params, specs = case((2, 4))
+    rng = np.random.default_rng(0)
+    grads = [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(2)
+    ]
+    kwargs = dict(band=1, eps=1e-4, precondition_1d=True, stats_dtype=jnp.float64)
+    expect, _ = run(sonew(0.1, **kwargs), params, grads)
+    mesh_kwargs = dict(mesh=mesh, param_specs=specs) if with_mesh else {}
+    tx = sonew(0.1, **kwargs, **mesh_kwargs)
+    placed = _placed(params, specs, mesh)
+    state = tx.init(placed)
+    step = jax.jit(lambda p, s, g: tx.update(g, s, p))
+    hlo = step.lower(placed, state, placed).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+    for g, e in zip(grads, expect, strict=True):
+        updates, state = step(placed, state, _placed(g, specs, mesh))
+        placed = optax.apply_updates(placed, updates)
+        for k in params:
+            got, want = np.asarray(updates[k]), np.asarray(e[k])
+            assert np.linalg.norm(got - want) <= 1e-10 * np.linalg.norm(want), k

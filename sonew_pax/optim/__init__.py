@@ -4,7 +4,7 @@ Depends on jax and optax only.
 """
 
 from sonew_pax.optim.fused import concurrent_jit
-from sonew_pax.optim.sharding import state_partition_specs
+from sonew_pax.optim.sharding import specs_of, state_partition_specs
 from sonew_pax.optim.sonew import (
     DEFAULT_EPS,
     DEFAULT_GAMMA,
@@ -26,5 +26,6 @@ __all__ = [
     "concurrent_jit",
     "scale_by_sonew",
     "sonew",
+    "specs_of",
     "state_partition_specs",
 ]

@@ -16,14 +16,129 @@ from typing import Any
 
 import jax
 import optax
+from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sonew_pax.optim.chain import ChainLayout
-from sonew_pax.optim.sonew import ScaleBySONewLagState, ScaleBySONewState
+from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
 
 
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P) or x is None
+
+
+def _is_spec_or_sharding(x: Any) -> bool:
+    return _is_spec(x) or isinstance(x, NamedSharding)
+
+
+def named_sharding(x: Any) -> NamedSharding | None:
+    """The ``NamedSharding`` an array carries: a concrete array's, or, inside ``jit`` on a mesh
+    with Explicit axes, its type's; ``None`` for anything else (single-device arrays, tracers on
+    Auto meshes, whose layout XLA decides, NumPy arrays, numbers)."""
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        return x.sharding if isinstance(x.sharding, NamedSharding) else None
+    try:
+        found = jax.typeof(x).sharding
+    except (TypeError, AttributeError):
+        return None
+    if isinstance(found, NamedSharding) and AxisType.Explicit in found.mesh.axis_types:
+        return found
+    return None
+
+
+def _padded(spec: P | None, ndim: int) -> tuple:
+    """``spec``'s entries, one per dimension (``None`` for the unnamed trailing ones)."""
+    entries = tuple(P() if spec is None else spec)
+    return entries + (None,) * (ndim - len(entries))
+
+
+def specs_of(tree: Any) -> Any:
+    """Each array's ``PartitionSpec`` as the array carries it (`named_sharding`; ``P()`` where it
+    carries none), e.g. ``sonew(lr, mesh=mesh, param_specs=specs_of(params))`` for parameters
+    already placed on ``mesh``."""
+
+    def spec(x: Any) -> P:
+        found = named_sharding(x)
+        return P() if found is None else P(*_padded(found.spec, jax.numpy.ndim(x)))
+
+    return jax.tree.map(spec, tree)
+
+
+def as_specs(param_specs: Any, mesh: Any) -> tuple[Any, Any]:
+    """``(mesh, specs)`` from ``param_specs`` given as ``PartitionSpec``s (or ``None``) with
+    ``mesh``, or as ``NamedSharding``s (then ``mesh`` may be ``None``: theirs is used).
+
+    Raises:
+      ValueError: naming a parameter whose ``NamedSharding`` is on another mesh.
+    """
+    if param_specs is None:
+        return mesh, None
+    named = jax.tree_util.tree_leaves_with_path(
+        param_specs, is_leaf=lambda x: isinstance(x, NamedSharding)
+    )
+    for path, leaf in named:
+        if not isinstance(leaf, NamedSharding):
+            continue
+        if mesh is None:
+            mesh = leaf.mesh
+        elif dict(leaf.mesh.shape) != dict(mesh.shape):
+            raise ValueError(
+                f"param_specs{jax.tree_util.keystr(path)} is a NamedSharding on mesh "
+                f"{dict(leaf.mesh.shape)}, but mesh is {dict(mesh.shape)}."
+            )
+    specs = jax.tree.map(
+        lambda x: x.spec if isinstance(x, NamedSharding) else x,
+        param_specs,
+        is_leaf=_is_spec_or_sharding,
+    )
+    return mesh, specs
+
+
+def state_shardings(params: Any, mesh: Any, param_specs: Any) -> tuple[list, Any]:
+    """Where the state of each parameter (a list, in leaf order) and the state's scalars live.
+
+    With ``mesh`` and ``param_specs``: ``NamedSharding(mesh, spec)`` per parameter, replicated
+    scalars. Without: each parameter's own ``NamedSharding`` (`named_sharding`) or ``None``
+    (default placement, e.g. under ``jit`` on an Auto mesh, where ``jit``'s shardings decide),
+    and scalars replicated on the first mesh found.
+
+    Raises:
+      ValueError: naming a parameter that carries a sharding other than its spec says.
+    """
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    carried = [named_sharding(leaf) for _, leaf in leaves]
+    if mesh is None or param_specs is None:
+        meshes = [s.mesh for s in carried if s is not None]
+        scalar = NamedSharding(meshes[0], P()) if meshes else None
+        return carried, scalar
+    specs = jax.tree.structure(params).flatten_up_to(param_specs)
+    wanted = []
+    for (path, leaf), spec, have in zip(leaves, specs, carried, strict=True):
+        ndim = jax.numpy.ndim(leaf)
+        if have is not None and (
+            _padded(have.spec, ndim) != _padded(spec, ndim)
+            or dict(have.mesh.shape) != dict(mesh.shape)
+        ):
+            raise ValueError(
+                f"parameter {jax.tree_util.keystr(path)} is laid out as {have.spec} on mesh "
+                f"{dict(have.mesh.shape)}, but param_specs says {spec} on {dict(mesh.shape)}: "
+                "pass specs_of(params), or place the parameters by param_specs."
+            )
+        wanted.append(NamedSharding(mesh, P(*_padded(spec, ndim))))
+    return wanted, NamedSharding(mesh, P())
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None, lead: int = 0):
+    """Zeros of ``shape``, created in ``sharding`` (with ``lead`` unsharded leading axes in front
+    of the parameter's), or on the default device where it is ``None``."""
+    if sharding is None:
+        return jax.numpy.zeros(shape, dtype)
+    ndim = len(shape) - lead
+    spec = P(*(None,) * lead, *_padded(sharding.spec, ndim)) if ndim else P()
+    target = NamedSharding(sharding.mesh, spec)
+    if isinstance(sharding.mesh, jax.sharding.AbstractMesh):
+        return jax.numpy.zeros(shape, dtype, out_sharding=target)
+    return jax.numpy.zeros(shape, dtype, device=target)
 
 
 def _dim_axes(entry: Any) -> tuple[str, ...]:

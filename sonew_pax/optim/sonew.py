@@ -34,15 +34,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sonew_pax.optim import fused, pointwise, solve
+from sonew_pax.optim import fused, pointwise, sharding, solve
 from sonew_pax.optim.chain import ChainLayout, merge_norm_parts, norms, shift, shift_many
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
+from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
 from sonew_pax.optim.transform import GradientTransformationWithApply
 
 GRAFTS = ("adam", "none")
@@ -55,46 +55,6 @@ GRAFTS = ("adam", "none")
 # within ~1e3 float32 roundings of zero, so such edges are dropped rather than trusted.
 DEFAULT_EPS = 1e-8
 DEFAULT_GAMMA = 1e-4
-
-
-class ScaleBySONewState(NamedTuple):
-    """State of :func:`scale_by_sonew`; every array has its parameter's layout.
-
-    Attributes:
-      count: number of updates so far (int32 scalar).
-      m: first moment of the gradients.
-      d: diagonal of ``H`` (second moment of the gradients).
-      e: ``(band, *shape)``: ``e[k-1]`` at element ``i`` is the moment of ``g_i g_{i+k}``;
-        ``optax.MaskedNode()`` for tensors that are not preconditioned (or ``band == 0``).
-    """
-
-    count: chex.Array
-    m: optax.Updates
-    d: optax.Updates
-    e: optax.Updates
-
-
-class ScaleBySONewLagState(NamedTuple):
-    """State of :func:`scale_by_sonew` with ``graft_lag=True``.
-
-    A type of its own, so that :class:`ScaleBySONewState` (and checkpoints of it) keep their
-    structure when the option is off.
-
-    Attributes:
-      count: as in :class:`ScaleBySONewState`.
-      m: as in :class:`ScaleBySONewState`.
-      d: as in :class:`ScaleBySONewState`.
-      e: as in :class:`ScaleBySONewState`.
-      ratio: the graft ratio ``||adam|| / ||u||`` of the last step, a ``stats_dtype`` scalar per
-        preconditioned tensor (``0`` before the first step); ``optax.MaskedNode()`` for tensors
-        that take Adam's direction.
-    """
-
-    count: chex.Array
-    m: optax.Updates
-    d: optax.Updates
-    e: optax.Updates
-    ratio: optax.Updates
 
 
 def _concrete(value: Any) -> np.ndarray | None:
@@ -198,6 +158,10 @@ def _validate(hyper: Hyper, graft_lag: bool, mesh: Any, param_specs: Any) -> Non
         _check_nonnegative(name, getattr(hyper, name))
     if (mesh is None) != (param_specs is None):
         raise ValueError("mesh and param_specs must be given together (or both left None).")
+
+
+def _is_none(x: Any) -> bool:
+    return x is None
 
 
 def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
@@ -490,8 +454,19 @@ def scale_by_sonew(
         the Adam direction).
       stats_dtype: dtype of ``d`` and of all arithmetic (float32 even for bf16 parameters); also
         of ``m`` and ``e`` unless ``momentum_dtype`` / ``offdiag_dtype`` say otherwise.
-      mesh: a ``jax.sharding.Mesh``; with ``param_specs``, run the update under ``shard_map``.
-      param_specs: a pytree of ``PartitionSpec`` matching the parameters.
+      mesh: a ``jax.sharding.Mesh``; with ``param_specs``, the update runs under ``shard_map``,
+        each device on its block of every tensor (halos from the neighbouring shards), and
+        equals the single-device update.
+      param_specs: the parameters' layout on ``mesh``: a pytree of ``PartitionSpec`` (or
+        ``None``) matching the parameters, or of ``NamedSharding`` (then ``mesh`` may be
+        omitted); ``specs_of(params)`` reads it from placed parameters. ``init`` checks it
+        against concrete parameters (a ``ValueError`` names one laid out otherwise).
+
+        Without ``mesh``: on a mesh with Explicit axes the arrays' types carry their layout and
+        the update runs sharded as above with it; elsewhere (one device, or an Auto mesh, whose
+        layout ``jit`` decides) it runs on whole tensors, and ``jit`` may gather sharded ones.
+        Either way ``init`` creates each state array where its parameter lives (and by
+        ``param_specs`` where given), the scalars replicated.
       momentum_dtype: storage dtype of the first moment ``m`` (e.g. ``jnp.bfloat16``); ``None``
         means ``stats_dtype``. ``m`` is updated in ``stats_dtype`` and rounded when stored.
       offdiag_dtype: storage dtype of the off-diagonal statistics ``e`` (e.g. ``jnp.bfloat16``);
@@ -543,6 +518,7 @@ def scale_by_sonew(
     (``train.non_finite``). Tensors with a 0-size dimension get an empty update.
     """
     hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
+    mesh, param_specs = sharding.as_specs(param_specs, mesh)
     _validate(hyper, graft_lag, mesh, param_specs)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
@@ -557,22 +533,27 @@ def scale_by_sonew(
         if static_band is None:
             raise ValueError("band must be a concrete int when the state is initialised.")
         _check_real_floats(params, "parameters")
+        # Each state array is created where its parameter lives (as optax's follow the
+        # parameters), or by mesh and param_specs; the scalars replicated on that mesh.
+        placed, scalar = sharding.state_shardings(params, mesh, param_specs)
+        where = jax.tree.unflatten(jax.tree.structure(params), placed)
 
-        def off_diagonals(p: jax.Array) -> Any:
+        def off_diagonals(p: jax.Array, at: Any) -> Any:
             if static_band == 0 or not _preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
-            return jnp.zeros((static_band, *jnp.shape(p)), offdiag_dtype)
+            return sharding.zeros((static_band, *jnp.shape(p)), offdiag_dtype, at, lead=1)
 
         def lagged_ratio(p: jax.Array) -> Any:
             if not _preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
-            return jnp.zeros([], stats_dtype)
+            return sharding.zeros((), stats_dtype, scalar)
 
+        like = lambda dtype: lambda p, at: sharding.zeros(jnp.shape(p), dtype, at)  # noqa: E731
         state = ScaleBySONewState(
-            count=jnp.zeros([], jnp.int32),
-            m=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), momentum_dtype), params),
-            d=jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), stats_dtype), params),
-            e=jax.tree.map(off_diagonals, params),
+            count=sharding.zeros((), jnp.int32, scalar),
+            m=jax.tree.map(like(momentum_dtype), params, where, is_leaf=_is_none),
+            d=jax.tree.map(like(stats_dtype), params, where, is_leaf=_is_none),
+            e=jax.tree.map(off_diagonals, params, where, is_leaf=_is_none),
         )
         if not graft_lag:
             return state
@@ -660,16 +641,33 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
     if mesh is None:
 
         def step(updates, m, d, e, ratio, corrections, apply=None):
+            explicit = _explicit_mesh(updates)
+            if explicit is not None:  # the arrays' types say how they are split
+                sharded = sharding.sharded_step(tree_step, explicit, sharding.specs_of(updates))
+                return sharded(updates, m, d, e, ratio, corrections, apply)
             layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
             return tree_step(updates, m, d, e, ratio, corrections, layouts, apply)
 
         return step
 
-    from sonew_pax.optim import sharding  # local import: sharding imports this module's state
-
     # Pallas kernels (fused.py) declare plain output shapes, without the varying-axes type that
     # shard_map's check wants; their replicated outputs come from replicated inputs alone.
     return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=not kernels)
+
+
+def _explicit_mesh(updates: Any) -> Any:
+    """The mesh of the first array of ``updates`` whose sharding is part of its type (a mesh with
+    Explicit axes) and splits it, else ``None``: such arrays cannot be sliced as whole tensors
+    are, so the update runs under ``shard_map`` with the arrays' own specs."""
+    for leaf in jax.tree.leaves(updates):
+        found = sharding.named_sharding(leaf)
+        if (
+            found is not None
+            and jax.sharding.AxisType.Explicit in found.mesh.axis_types
+            and any(entry is not None for entry in found.spec)
+        ):
+            return found.mesh
+    return None
 
 
 def sonew(

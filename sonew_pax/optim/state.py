@@ -1,0 +1,46 @@
+"""The state of :func:`sonew_pax.optim.scale_by_sonew`: every array in its parameter's layout."""
+
+from typing import NamedTuple
+
+import chex
+import optax
+
+
+class ScaleBySONewState(NamedTuple):
+    """State of :func:`scale_by_sonew`; every array has its parameter's layout.
+
+    Attributes:
+      count: number of updates so far (int32 scalar).
+      m: first moment of the gradients.
+      d: diagonal of ``H`` (second moment of the gradients).
+      e: ``(band, *shape)``: ``e[k-1]`` at element ``i`` is the moment of ``g_i g_{i+k}``;
+        ``optax.MaskedNode()`` for tensors that are not preconditioned (or ``band == 0``).
+    """
+
+    count: chex.Array
+    m: optax.Updates
+    d: optax.Updates
+    e: optax.Updates
+
+
+class ScaleBySONewLagState(NamedTuple):
+    """State of :func:`scale_by_sonew` with ``graft_lag=True``.
+
+    A type of its own, so that :class:`ScaleBySONewState` (and checkpoints of it) keep their
+    structure when the option is off.
+
+    Attributes:
+      count: as in :class:`ScaleBySONewState`.
+      m: as in :class:`ScaleBySONewState`.
+      d: as in :class:`ScaleBySONewState`.
+      e: as in :class:`ScaleBySONewState`.
+      ratio: the graft ratio ``||adam|| / ||u||`` of the last step, a ``stats_dtype`` scalar per
+        preconditioned tensor (``0`` before the first step); ``optax.MaskedNode()`` for tensors
+        that take Adam's direction.
+    """
+
+    count: chex.Array
+    m: optax.Updates
+    d: optax.Updates
+    e: optax.Updates
+    ratio: optax.Updates
