@@ -114,6 +114,7 @@ def state_shardings(params: Any, mesh: Any, param_specs: Any) -> tuple[list, Any
     specs = jax.tree.structure(params).flatten_up_to(param_specs)
     wanted = []
     for (path, leaf), spec, have in zip(leaves, specs, carried, strict=True):
+        chain_layout(jax.numpy.shape(leaf), spec, mesh, jax.tree_util.keystr(path))  # checks it
         ndim = jax.numpy.ndim(leaf)
         if have is not None and (
             _padded(have.spec, ndim) != _padded(spec, ndim)
