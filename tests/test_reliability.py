@@ -31,6 +31,7 @@ import pytest
 from sonew_pax import checkpoints, data, metrics, run_lock, train, trainer
 from sonew_pax.errors import ConfigError
 from tests.test_trainer import PERIOD, STEPS, configure
+from tests.test_trainer import _clear_gin as _clear_gin  # the same autouse fixture here
 
 # A learning rate that turns the tiny model's loss to NaN within a few steps, from any state.
 DIVERGE = (
@@ -38,12 +39,6 @@ DIVERGE = (
     "learning_rate_schedule.decay = 'constant'",
     "learning_rate_schedule.warmup_steps = 0",
 )
-
-
-@pytest.fixture(autouse=True)
-def _clear_gin():
-    yield
-    gin.clear_config()
 
 
 @pytest.fixture(scope="module")
