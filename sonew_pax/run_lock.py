@@ -34,7 +34,10 @@ import time
 from collections.abc import Iterator
 
 import jax
+import numpy as np
 from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
 
 from sonew_pax import paths
 from sonew_pax.errors import RunError
@@ -117,7 +120,7 @@ class RunLock:
     def __init__(
         self, model_dir: str | os.PathLike, stale_after_s: float = 600.0, heartbeat_s: float = 60.0
     ):
-        self.path = paths.as_path(model_dir) / LOCK_FILE
+        self.path = lock_path(model_dir)
         self.stale_after_s = stale_after_s
         self.heartbeat_s = heartbeat_s
         self._holder: Holder | None = None
@@ -217,9 +220,28 @@ class RunLock:
 
 @contextlib.contextmanager
 def held(model_dir: str | os.PathLike, **kwargs) -> Iterator[RunLock | None]:
-    """`RunLock` on process 0, nothing on the others (one multi-process run is one run)."""
-    if jax.process_index() != 0:
-        yield None
-        return
-    with RunLock(model_dir, **kwargs) as lock:
+    """`RunLock` on process 0 (one multi-process run is one run); every process raises
+    `RunLockedError` when process 0 could not take it, so none is left waiting for the others."""
+    lock = RunLock(model_dir, **kwargs) if jax.process_index() == 0 else None
+    refused: RunLockedError | None = None
+    if lock is not None:
+        try:
+            lock.acquire()
+        except RunLockedError as error:
+            refused = error
+    if jax.process_count() > 1:
+        flag = multihost_utils.broadcast_one_to_all(np.int32(refused is not None))
+        if int(flag) and refused is None:
+            raise RunLockedError(f"{lock_path(model_dir)} is held by another run (process 0 says).")
+    if refused is not None:
+        raise refused
+    try:
         yield lock
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def lock_path(model_dir: str | os.PathLike) -> epath.Path:
+    """Where the lock of ``model_dir`` lives."""
+    return paths.as_path(model_dir) / LOCK_FILE
