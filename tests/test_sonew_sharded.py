@@ -265,7 +265,7 @@ def test_specs_read_from_the_parameters_and_checked_against_them():
     sonew(0.1, mesh=mesh, param_specs=read).init(params)  # agrees
     as_shardings = jax.tree.map(lambda s: NamedSharding(mesh, s), specs)
     sonew(0.1, param_specs=as_shardings).init(params)  # NamedShardings: their mesh is used
-    wrong = {**specs, "rows": P(None, "model")}
+    wrong = {**specs, "rows": P("model", None)}  # divides, but not how "rows" is laid out
     with pytest.raises(ValueError, match=r"parameter \['rows'\] is laid out as"):
         sonew(0.1, mesh=mesh, param_specs=wrong).init(params)
     other = make_mesh((4, 2))
