@@ -23,8 +23,10 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -204,6 +206,35 @@ def test_a_missing_peer_fails_with_a_clear_message(tmp_path):
     assert result.returncode == distributed.TIMEOUT_EXIT_CODE, result.stderr[-2000:]
     assert "process 1 of 2 timed out after 2 s" in result.stderr
     assert "127.0.0.1:1" in result.stderr
+
+
+def test_a_model_dir_in_use_stops_every_process(tmp_path):
+    """Process 0 finds another live run's lock: both processes stop with the message, at once
+    (process 1 is told, rather than left waiting for its peer in a collective)."""
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        now = time.time()
+        lock = {"host": socket.gethostname(), "pid": holder.pid, "started": now, "heartbeat": now}
+        (model_dir / "run.lock").write_text(json.dumps(lock))
+        env = _env(tmp_path / "cache") | {
+            "NUM_PROCESSES": "2",
+            "DEVICES_PER_PROCESS": "2",
+            "DISTRIBUTED_TIMEOUT_S": "120",
+            "LOG_DIR": str(tmp_path / "logs"),
+        }
+        result = subprocess.run(
+            ["bash", str(LAUNCHER), *_train_command(model_dir, 3)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+    finally:
+        holder.kill()
+        holder.wait()
+    assert result.returncode != 0
+    logs = [(tmp_path / "logs" / f"process_{i}.log").read_text() for i in range(2)]
+    assert f"is in use by another run: pid {holder.pid}" in logs[0], logs[0][-2000:]
+    assert "held by another run (process 0 says)" in logs[1], logs[1][-2000:]
 
 
 # --- how a process decides to start (no processes started) ----------------------------------
