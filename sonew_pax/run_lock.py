@@ -95,11 +95,17 @@ def _pid_running(pid: int) -> bool:
     return True
 
 
-def is_stale(holder: Holder | None, stale_after_s: float) -> bool:
-    """Whether ``holder``'s lock may be taken over (module docstring). A file that is not a lock
-    (None: unreadable, e.g. half-written by a crash) counts as stale."""
+# A lock file that does not parse is taken for one being written by a starting run until it is
+# this old (its writer needs microseconds), then for the remains of a crash.
+UNREADABLE_GRACE_S = 10.0
+
+
+def is_stale(holder: Holder | None, stale_after_s: float, age_s: float) -> bool:
+    """Whether a lock may be taken over (module docstring): ``holder`` as read from the file
+    (None: it does not parse), the file ``age_s`` seconds old. An unreadable file is stale once
+    older than `UNREADABLE_GRACE_S` (half-written by a crash, not by a run starting now)."""
     if holder is None:
-        return True
+        return age_s > UNREADABLE_GRACE_S
     if holder.host == socket.gethostname() and not _pid_running(holder.pid):
         return True
     return time.time() - holder.heartbeat > stale_after_s
@@ -160,9 +166,11 @@ class RunLock:
                 self._thread.start()
                 return
             current = self._read()
-            if not self.path.exists():
+            try:
+                age_s = time.time() - self.path.stat().mtime
+            except FileNotFoundError:
                 continue  # released meanwhile
-            if not is_stale(current, self.stale_after_s):
+            if not is_stale(current, self.stale_after_s, age_s):
                 raise RunLockedError(
                     f"{self.path.parent} is in use by another run: "
                     f"{current.describe() if current else 'unknown holder'}. Wait for it to "

@@ -311,8 +311,13 @@ def test_lock_from_another_host_is_stale_only_without_heartbeat(tmp_path, age_s,
             lock.acquire()
 
 
-def test_unreadable_lock_is_stale_and_heartbeat_refreshes(tmp_path):
-    (tmp_path / run_lock.LOCK_FILE).write_text("{half a lo")
+def test_unreadable_lock_is_stale_once_old_and_heartbeat_refreshes(tmp_path):
+    path = tmp_path / run_lock.LOCK_FILE
+    path.write_text("{half a lo")  # as a starting run leaves it for a moment
+    with pytest.raises(run_lock.RunLockedError, match="unknown holder"):
+        run_lock.RunLock(tmp_path).acquire()
+    old = time.time() - 2 * run_lock.UNREADABLE_GRACE_S
+    os.utime(path, (old, old))  # as a crashed run leaves it
     with run_lock.RunLock(tmp_path, heartbeat_s=0.05) as lock:
         first = run_lock.Holder.from_json(lock.path.read_text()).heartbeat
         time.sleep(0.3)
