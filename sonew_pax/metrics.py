@@ -13,6 +13,8 @@ complete file, through epath (the same backend and credentials as the checkpoint
 scheme; tensorboardX's own writers cover only gs:// and s3://, the latter through boto3).
 Uploads happen on ``flush(force=True)`` (before every checkpoint, and at close) and otherwise at
 most every ``upload_every_s`` seconds. Readers see the previous or the new object, never a part.
+
+`ProfileWindow` traces a window of steps with ``jax.profiler`` into ``MODEL_DIR/profile/``.
 """
 
 import json
@@ -23,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 
+import jax
 from absl import logging
 from etils import epath
 from tensorboardX import SummaryWriter
@@ -147,6 +150,46 @@ class MetricsWriter:
             self._upload()
         finally:
             shutil.rmtree(self._staging, ignore_errors=True)
+
+
+PROFILE_DIR = "profile"
+
+
+class ProfileWindow:
+    """Traces steps ``start .. start + count - 1`` of a run with ``jax.profiler`` into
+    ``MODEL_DIR/profile/`` (TensorBoard's profile plugin or Perfetto read it), on this process
+    only when ``enabled`` (process 0: one trace per run). ``steps`` is ``(start, count)`` or None
+    (off); steps are numbered as in metrics.jsonl (step ``s`` is the ``s``-th update).
+
+    The loop calls `before` with the step it is about to run and `after` with the step it ran and
+    that step's outputs, which the window waits for before it stops, so the trace holds the
+    window's device work whole.
+    """
+
+    def __init__(self, steps: tuple[int, int] | None, model_dir: epath.Path, enabled: bool):
+        self.first, self.last = (0, -1) if steps is None else (steps[0], steps[0] + steps[1] - 1)
+        self.directory = model_dir / PROFILE_DIR
+        self.enabled = enabled and steps is not None
+        self.active = False
+
+    def before(self, step: int) -> None:
+        """Starts the trace when ``step`` opens the window."""
+        if self.enabled and step == self.first:
+            jax.profiler.start_trace(os.fspath(self.directory))
+            self.active = True
+            logging.info("Profiling steps %d to %d into %s", self.first, self.last, self.directory)
+
+    def after(self, step: int, outputs: object) -> None:
+        """Stops the trace once ``step``, the window's last, has finished on the device."""
+        if self.active and step >= self.last:
+            jax.block_until_ready(outputs)
+            self.close()
+
+    def close(self) -> None:
+        """Stops a trace still running (a run that ended or failed inside the window)."""
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 def format_duration(seconds: float) -> str:

@@ -408,6 +408,11 @@ def check_settings(**settings: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             label = f"{macro} (train.{name})" if macro else f"train.{name}"
             raise ConfigError(f"{label} must be an integer >= {least}, got {value!r}.")
+    window = settings["profile_steps"]
+    if window is not None and (
+        len(window) != 2 or not all(isinstance(n, int) and n >= 1 for n in window)
+    ):
+        raise ConfigError(f"train.profile_steps must be (START, COUNT), both >= 1; got {window!r}.")
     policy = settings["non_finite"]
     if policy not in NON_FINITE_POLICIES:
         raise ConfigError(f"train.non_finite must be one of {NON_FINITE_POLICIES}, got {policy!r}.")
@@ -523,6 +528,7 @@ def train(
     concurrent_launches: bool = False,
     non_finite: str = "stop",
     max_skipped_steps: int = 10,
+    profile_steps: tuple[int, int] | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> RunResult:
     """Trains ``model_config``'s Transformer for ``train_steps`` steps, resuming from MODEL_DIR.
@@ -565,6 +571,9 @@ def train(
         counts it (``skipped_steps`` in the metrics) and ends the run after
         ``max_skipped_steps`` such steps.
       max_skipped_steps: see ``non_finite``.
+      profile_steps: ``(START, COUNT)``: trace steps ``START .. START + COUNT - 1`` with
+        ``jax.profiler`` into ``MODEL_DIR/profile/`` (process 0; `metrics.ProfileWindow`);
+        None (default): no trace.
       mesh: the device mesh; default `partitioning.make_mesh()` as configured in gin.
 
     Returns:
@@ -587,6 +596,7 @@ def train(
         max_skipped_steps=max_skipped_steps,
         keep_checkpoints=keep_checkpoints,
         non_finite=non_finite,
+        profile_steps=profile_steps,
     )
     model_dir_path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
     mesh = partitioning.make_mesh() if mesh is None else mesh
@@ -649,17 +659,20 @@ def train(
                 raise error
             return scalars["loss"]
 
+        profile = metrics.ProfileWindow(profile_steps, model_dir_path, jax.process_index() == 0)
         pending: tuple[int, dict[str, Any]] | None = None
         loss = None
         preempted = stop.received
         first = step
         try:
             while step < train_steps and not preempted:
+                profile.before(step + 1)
                 with first_step_log() if step == first else contextlib.nullcontext():
                     state, step_metrics = step_fns.step(state, next(batches))
                     if step == first:
                         jax.block_until_ready(step_metrics)
                 step += 1
+                profile.after(step, step_metrics)
                 if pending is not None:  # the previous step's metrics are ready by now
                     record(*pending)
                 pending = (step, dict(step_metrics))
@@ -676,7 +689,8 @@ def train(
                     loss, pending = record(*pending), None
                     writer.flush()
                     ckpts.save(state, batches.get_state(), guard.run_state())
-        finally:  # also on errors: finish pending checkpoint writes
+        finally:  # also on errors: finish pending checkpoint writes and a trace
+            profile.close()
             writer.close()
             ckpts.close()
         _write_text(model_dir_path / "config.gin", gin.operative_config_str())

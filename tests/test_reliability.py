@@ -211,8 +211,9 @@ def test_changed_bytes_are_caught_and_the_previous_checkpoint_used(
         ("TRAIN_STEPS = -5", "TRAIN_STEPS"),
         ("BATCH_SIZE = 7", r"BATCH_SIZE \(train.batch_size\) = 7 must be .* 2 batch shards"),
         ("train.non_finite = 'ignore'", "train.non_finite"),
+        ("train.profile_steps = (0, 2)", "train.profile_steps"),
     ],
-    ids=["train-steps-0", "train-steps-negative", "batch-vs-mesh", "policy"],
+    ids=["train-steps-0", "train-steps-negative", "batch-vs-mesh", "policy", "profile-window"],
 )
 def test_settings_that_cannot_work_are_refused_before_any_file(tmp_path, binding, message):
     model_dir = tmp_path / "run"

@@ -234,6 +234,14 @@ def test_compiled_shardings_match_the_derived_specs(tmp_path):
     assert checked >= 3 * sum(_is_sharded(s) for s in param_shardings)  # m, d and e per param
 
 
+def test_profile_window_writes_a_trace(tmp_path):
+    """``train.profile_steps = (2, 2)``: a jax.profiler trace of steps 2-3 in MODEL_DIR/profile/."""
+    configure(tmp_path, "TRAIN_STEPS = 4", "train.profile_steps = (2, 2)")
+    trainer.train(eval_data=None)
+    traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
 def test_demo_summary_reads_the_run(reference):
     text = demo.summary(reference[0])
     assert f"at step {STEPS}" in text and "Held-out loss" in text and "model-info.txt" in text
