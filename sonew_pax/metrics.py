@@ -204,34 +204,79 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+# Peak dense bf16 FLOP/s of one device, by a part of jax's ``device_kind`` (first match wins).
+PEAK_BF16_FLOPS = (
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("TPU v5p", 459e12),
+    ("TPU v5 lite", 197e12),
+    ("TPU v5e", 197e12),
+    ("TPU v4", 275e12),
+)
+
+
+def peak_flops(device_kind: str) -> float | None:
+    """Peak dense bf16 FLOP/s of a device of ``device_kind`` (`PEAK_BF16_FLOPS`); None if
+    unknown (MFU is then not reported)."""
+    return next((flops for part, flops in PEAK_BF16_FLOPS if part in device_kind), None)
+
+
 class Progress:
-    """Logs ``step, loss, steps/s, tokens/s, ETA`` every ``every`` steps.
+    """Logs ``step, loss, steps/s, tokens/s (per device), MFU, ETA`` every ``every`` steps.
 
     Rates are measured over the steps since the previous line, so compilation only slows the first.
+    MFU (model FLOPs utilisation) is ``tokens/s per device * flops_per_token / peak`` when both are
+    known (`sonew_pax.models.flops_per_token`, `peak_flops`).
     """
 
-    def __init__(self, total_steps: int, tokens_per_step: int, every: int, start_step: int = 0):
+    def __init__(
+        self,
+        total_steps: int,
+        tokens_per_step: int,
+        every: int,
+        start_step: int = 0,
+        devices: int = 1,
+        flops_per_token: float | None = None,
+        peak_flops_per_device: float | None = None,
+    ):
         self.total_steps = total_steps
         self.tokens_per_step = tokens_per_step
         self.every = max(every, 1)
+        self.devices = devices
+        self.flops_per_token = flops_per_token
+        self.peak = peak_flops_per_device
         self._last_step = start_step
         self._last_time = time.perf_counter()
+        self.window: dict[str, float] = {}
 
     def due(self, step: int) -> bool:
         """Whether ``step`` gets a progress line (every ``every`` steps, and the last)."""
         return step % self.every == 0 or step == self.total_steps
 
     def line(self, step: int, loss: float) -> str:
-        """The progress line for ``step``; resets the rate window."""
+        """The progress line for ``step``; resets the rate window, whose rates it keeps in
+        ``window`` (``tokens_per_sec_per_device`` and, when known, ``mfu``)."""
         now = time.perf_counter()
         steps_per_s = (step - self._last_step) / max(now - self._last_time, 1e-9)
         self._last_step, self._last_time = step, now
         eta = (self.total_steps - step) / max(steps_per_s, 1e-9)
+        tokens_per_s = steps_per_s * self.tokens_per_step
+        per_device = tokens_per_s / self.devices
+        self.window = {"tokens_per_sec_per_device": per_device}
+        mfu = ""
+        if self.flops_per_token and self.peak:
+            self.window["mfu"] = per_device * self.flops_per_token / self.peak
+            mfu = f" | MFU {self.window['mfu']:.1%}"
         return (
             f"step {step}/{self.total_steps} | loss {loss:.4f} | {steps_per_s:.2f} steps/s | "
-            f"{steps_per_s * self.tokens_per_step:,.0f} tokens/s | ETA {format_duration(eta)}"
+            f"{tokens_per_s:,.0f} tokens/s ({per_device:,.0f}/device){mfu} | "
+            f"ETA {format_duration(eta)}"
         )
 
-    def log(self, step: int, loss: float) -> None:
-        """Emits the progress line for ``step`` through the logging module."""
+    def log(self, step: int, loss: float) -> dict[str, float]:
+        """Emits the progress line for ``step`` through the logging module; returns its rates
+        (``window``) for the step's metrics."""
         logging.info(self.line(step, loss))
+        return dict(self.window)

@@ -41,7 +41,7 @@ from sonew_pax import (
     train_state,
 )
 from sonew_pax.errors import ConfigError, RunError
-from sonew_pax.models import Transformer, TransformerConfig
+from sonew_pax.models import Transformer, TransformerConfig, flops_per_token
 from sonew_pax.train_state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -497,6 +497,15 @@ def first_step_log():
     )
 
 
+def _peak_flops() -> float | None:
+    """This run's devices' peak bf16 FLOP/s (`metrics.peak_flops`); says once when unknown."""
+    kind = jax.devices()[0].device_kind
+    peak = metrics.peak_flops(kind)
+    if peak is None:
+        logging.info("MFU is not reported: no peak FLOP/s is known for device kind %r.", kind)
+    return peak
+
+
 def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:
     """Fails early when the tokenizer emits ids the model's embedding cannot hold."""
     vocab = batches.tokenizer.vocab_size
@@ -642,7 +651,15 @@ def train(
         writer = metrics.MetricsWriter(
             model_dir_path, enabled=jax.process_index() == 0, resume_step=step
         )
-        progress = metrics.Progress(train_steps, batch_size * seq_len, log_every, start_step=step)
+        progress = metrics.Progress(
+            train_steps,
+            batch_size * seq_len,
+            log_every,
+            start_step=step,
+            devices=jax.device_count(),
+            flops_per_token=flops_per_token(model_config, seq_len),
+            peak_flops_per_device=_peak_flops(),
+        )
         guard = NonFiniteGuard(
             non_finite,
             max_skipped_steps,
@@ -680,7 +697,7 @@ def train(
                     pending[1].update(step_fns.evaluate(state.params, eval_batches))
                 if progress.due(step):
                     loss = float(step_metrics["loss"])
-                    progress.log(step, loss)
+                    pending[1].update(progress.log(step, loss))
                     writer.flush(force=False)
                 preempted = stop.received or ckpts.reached_preemption(step)
                 if preempted or _due(step, checkpoint_period, train_steps):

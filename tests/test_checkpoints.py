@@ -140,8 +140,24 @@ def test_progress_line_and_durations():
     line = progress.line(10, 2.5)
     for part in ("step 10/100", "loss 2.5000", "steps/s", "tokens/s", "ETA"):
         assert part in line
+    assert "MFU" not in line and set(progress.window) == {"tokens_per_sec_per_device"}
     assert metrics.format_duration(3725) == "1h02m05s"
     assert metrics.format_duration(65) == "1m05s"
+
+
+def test_progress_reports_mfu_on_a_known_device():
+    assert metrics.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert metrics.peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert metrics.peak_flops("TPU v5 lite") == 197e12
+    assert metrics.peak_flops("cpu") is None
+    progress = metrics.Progress(
+        total_steps=100, tokens_per_step=1000, every=10, devices=4,
+        flops_per_token=6e9, peak_flops_per_device=1e15,
+    )  # fmt: skip
+    line = progress.line(10, 2.5)
+    rates = progress.window
+    assert "MFU " in line and "/device)" in line
+    assert rates["mfu"] == pytest.approx(rates["tokens_per_sec_per_device"] * 6e9 / 1e15)
 
 
 def test_unfinished_save_is_reported_and_kept_aside(tmp_path, mesh_2x4, caplog):

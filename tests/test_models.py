@@ -10,7 +10,13 @@ import numpy as np
 import optax
 import pytest
 
-from sonew_pax.models import Transformer, TransformerConfig, count_params, rotary_embedding
+from sonew_pax.models import (
+    Transformer,
+    TransformerConfig,
+    count_params,
+    flops_per_token,
+    rotary_embedding,
+)
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
 # Shipped model configs and their nominal sizes (the file names promise these).
@@ -201,3 +207,13 @@ def test_sequence_longer_than_max_len_fails():
     config = TransformerConfig(**SMALL, positions="learned")
     with pytest.raises(ValueError, match="max_len 16"):
         jax.eval_shape(Transformer(config).init, jax.random.key(0), _tokens(length=17))
+
+
+@pytest.mark.parametrize("activation, kernels", [("gelu", 2), ("swiglu", 3)])
+def test_flops_per_token_counts_the_matmuls_and_attention(activation, kernels):
+    cfg = TransformerConfig(
+        vocab_size=100, d_model=16, num_layers=3, num_heads=2, head_dim=8, mlp_dim=64,
+        mlp_activation=activation,
+    )  # fmt: skip
+    weights = 3 * (4 * 16 * 2 * 8 + kernels * 16 * 64) + 16 * 100
+    assert flops_per_token(cfg, seq_len=32) == 6 * weights + 12 * 3 * 2 * 8 * 32

@@ -83,6 +83,8 @@ def test_run_writes_everything(reference):
     records = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all({"loss", "learning_rate", "grad_norm"} <= r.keys() for r in records)
+    logged = [r for r in records if r["step"] % 4 == 0]  # train.log_every = 4: the progress lines
+    assert logged and all(r["tokens_per_sec_per_device"] > 0 for r in logged)
     assert [r["step"] for r in records if "eval_loss" in r] == [PERIOD, STEPS]
     assert records[-1]["eval_perplexity"] == pytest.approx(np.exp(records[-1]["eval_loss"]))
     assert records[-1]["loss"] < records[0]["loss"]

@@ -8,6 +8,7 @@ from sonew_pax.models.transformer import (
     Transformer,
     TransformerConfig,
     count_params,
+    flops_per_token,
     rotary_embedding,
 )
 
@@ -19,5 +20,6 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "count_params",
+    "flops_per_token",
     "rotary_embedding",
 ]

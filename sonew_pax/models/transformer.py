@@ -115,6 +115,26 @@ def count_params(params) -> int:
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params))
 
 
+def flops_per_token(config: TransformerConfig, seq_len: int) -> float:
+    """Training FLOPs per token as model FLOPs utilisation (MFU) counts them (PaLM, Appendix B).
+
+    ``6 N + 12 L H Q T``: forward and backward multiply-adds with the ``N`` weights a token goes
+    through, and attention's scores and weighted sums over the ``T = seq_len`` positions (``L``
+    layers, ``H`` heads of width ``Q``; causal masking is not discounted). ``N`` counts, per
+    layer, the four attention projections (``4 d H Q``) and the MLP (``2 d F``, ``3 d F`` with
+    SwiGLU), plus the logits projection (``d V``); the embedding lookup and the norms do no
+    matrix multiplication.
+    """
+    cfg = config
+    mlp_kernels = 3 if cfg.mlp_activation == "swiglu" else 2
+    per_layer = (
+        4 * cfg.d_model * cfg.num_heads * cfg.head_dim + mlp_kernels * cfg.d_model * cfg.mlp_dim
+    )
+    weights = cfg.num_layers * per_layer + cfg.d_model * cfg.vocab_size
+    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return float(6 * weights + attention)
+
+
 def _normal(std: float):
     return nn.initializers.normal(stddev=std)
 
