@@ -257,6 +257,13 @@ class Checkpoints:
         )
         self._manager = ocp.CheckpointManager(self.model_dir, options=options, item_names=ITEMS)
 
+    def describe_newest(self) -> str:
+        """Where a stopped run resumes from, in words (for error messages)."""
+        steps = self.steps()
+        if not steps:
+            return "There is no checkpoint yet."
+        return f"The newest checkpoint is {checkpoint_dir(self.model_dir, steps[-1])}."
+
     def steps(self) -> list[int]:
         """Steps of the complete checkpoints on disk, ascending."""
         return sorted(self._manager.all_steps())
@@ -276,15 +283,10 @@ class Checkpoints:
         prints = fingerprint(state)
         bad = [name for name, (_, _, finite) in prints.items() if not finite]
         if bad:
-            newest = self.steps()[-1] if self.steps() else None
             raise NonFiniteStateError(
                 f"step {step}: the state is not finite ({len(bad)} arrays hold NaN or inf: "
                 f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}); not saved. "
-                + (
-                    f"The newest checkpoint is {checkpoint_dir(self.model_dir, newest)}."
-                    if newest is not None
-                    else "There is no checkpoint."
-                )
+                + self.describe_newest()
             )
         manifest = {
             "arrays": {name: {"dtype": d, "checksum": c} for name, (d, c, _) in prints.items()},

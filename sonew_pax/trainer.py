@@ -380,14 +380,6 @@ class NonFiniteGuard:
         return None
 
 
-def _newest_checkpoint_message(ckpts: checkpoints.Checkpoints) -> str:
-    """Where a stopped run resumes from, in words."""
-    steps = ckpts.steps()
-    if not steps:
-        return "There is no checkpoint yet."
-    return f"The newest checkpoint is {checkpoints.checkpoint_dir(ckpts.model_dir, steps[-1])}."
-
-
 def check_settings(**settings: Any) -> None:
     """Raises `ConfigError` naming the first of `train`'s settings that cannot work (before the
     run writes anything). ``settings``: `train`'s arguments of the same names."""
@@ -664,7 +656,7 @@ def train(
             non_finite,
             max_skipped_steps,
             run_counters.get("skipped_steps", 0),
-            lambda: _newest_checkpoint_message(ckpts),
+            ckpts.describe_newest,
         )
 
         def record(step: int, step_metrics: Mapping[str, Any]) -> float:
