@@ -629,13 +629,10 @@ def train(
         run_lock.held(model_dir_path),
         stop.installed(),
         persistent_compilation_cache(cache),
+        # Closed on any exit, errors included: pending checkpoint writes finish.
+        contextlib.closing(checkpoints.Checkpoints(model_dir_path, keep=keep_checkpoints)) as ckpts,
     ):
-        ckpts = checkpoints.Checkpoints(model_dir_path, keep=keep_checkpoints)
-        try:
-            state, run_counters = _restore_or_init(step_fns, ckpts, batches, seed)
-        except BaseException:
-            ckpts.close()
-            raise
+        state, run_counters = _restore_or_init(step_fns, ckpts, batches, seed)
         _write_text(model_dir_path / "config.gin", gin.operative_config_str())
         _write_text(model_dir_path / "model-info.txt", train_state.describe(step_fns.layout))
 
@@ -698,10 +695,9 @@ def train(
                     loss, pending = record(*pending), None
                     writer.flush()
                     ckpts.save(state, batches.get_state(), guard.run_state())
-        finally:  # also on errors: finish pending checkpoint writes and a trace
+        finally:  # also on errors: end a trace, flush the metrics
             profile.close()
             writer.close()
-            ckpts.close()
         _write_text(model_dir_path / "config.gin", gin.operative_config_str())
     if preempted:
         logging.warning("Stopped by preemption at step %d; rerun to resume.", step)
