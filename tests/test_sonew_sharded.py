@@ -254,6 +254,26 @@ def test_eager_init_follows_the_parameters_shardings(explicit, with_mesh):
         assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
 
 
+@pytest.mark.parametrize("with_mesh", [False, True], ids=["no-mesh-arg", "mesh-arg"])
+def test_jitted_init_on_an_explicit_mesh_follows_the_parameters(with_mesh):
+    """Under ``jit`` (in the mesh context JAX asks for) the state takes the parameters' types,
+    so the update's shard_map accepts it."""
+    if jax.device_count() < 8:
+        pytest.skip("needs 8 devices")
+    explicit = (jax.sharding.AxisType.Explicit,) * 2
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=explicit)
+    params, specs = case((2, 4))
+    params = _placed(params, specs, mesh)
+    kwargs = dict(mesh=mesh, param_specs=specs) if with_mesh else {}
+    tx = sonew(0.1, band=2, precondition_1d=True, **kwargs)
+    with jax.set_mesh(mesh):
+        state = jax.jit(tx.init)(params)
+        jax.jit(tx.update)(params, state, params)
+    wanted = state_partition_specs(state, specs)
+    for leaf, spec in zip(jax.tree.leaves(state), jax.tree.leaves(wanted), strict=True):
+        assert leaf.sharding.is_equivalent_to(NamedSharding(mesh, spec), leaf.ndim), (leaf, spec)
+
+
 def test_specs_read_from_the_parameters_and_checked_against_them():
     mesh = make_mesh((2, 4))
     params, specs = case((2, 4))

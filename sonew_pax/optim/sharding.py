@@ -95,51 +95,68 @@ def as_specs(param_specs: Any, mesh: Any) -> tuple[Any, Any]:
 
 
 def state_shardings(params: Any, mesh: Any, param_specs: Any) -> tuple[list, Any]:
-    """Where the state of each parameter (a list, in leaf order) and the state's scalars live.
-
-    With ``mesh`` and ``param_specs``: ``NamedSharding(mesh, spec)`` per parameter, replicated
-    scalars. Without: each parameter's own ``NamedSharding`` (`named_sharding`) or ``None``
-    (default placement, e.g. under ``jit`` on an Auto mesh, where ``jit``'s shardings decide),
-    and scalars replicated on the first mesh found.
+    """Where the state of each parameter (a list, in leaf order) and the state's scalars live,
+    for concrete parameters: by ``mesh`` and ``param_specs`` where given (replicated scalars),
+    else each parameter's own ``NamedSharding`` (or ``None``: default placement) with the
+    scalars replicated on the first mesh found. Traced parameters (``init`` under ``jit``) get
+    ``None`` throughout: ``jit``'s shardings, or the parameters' types on a mesh with Explicit
+    axes, lay the state out.
 
     Raises:
-      ValueError: naming a parameter that carries a sharding other than its spec says.
+      ValueError: naming a parameter whose spec does not fit it, or that carries a sharding
+        other than its spec says.
     """
     leaves = jax.tree_util.tree_leaves_with_path(params)
-    carried = [named_sharding(leaf) for _, leaf in leaves]
+    if mesh is not None and param_specs is not None:
+        specs = jax.tree.structure(params).flatten_up_to(param_specs)
+        for (path, leaf), spec in zip(leaves, specs, strict=True):
+            _check_layout(jax.tree_util.keystr(path), leaf, spec, mesh)
+    if any(isinstance(leaf, jax.core.Tracer) for _, leaf in leaves):
+        return [None] * len(leaves), None
     if mesh is None or param_specs is None:
+        carried = [named_sharding(leaf) for _, leaf in leaves]
         meshes = [s.mesh for s in carried if s is not None]
-        scalar = NamedSharding(meshes[0], P()) if meshes else None
-        return carried, scalar
-    specs = jax.tree.structure(params).flatten_up_to(param_specs)
-    wanted = []
-    for (path, leaf), spec, have in zip(leaves, specs, carried, strict=True):
-        chain_layout(jax.numpy.shape(leaf), spec, mesh, jax.tree_util.keystr(path))  # checks it
-        ndim = jax.numpy.ndim(leaf)
-        if have is not None and (
-            _padded(have.spec, ndim) != _padded(spec, ndim)
-            or dict(have.mesh.shape) != dict(mesh.shape)
-        ):
-            raise ValueError(
-                f"parameter {jax.tree_util.keystr(path)} is laid out as {have.spec} on mesh "
-                f"{dict(have.mesh.shape)}, but param_specs says {spec} on {dict(mesh.shape)}: "
-                "pass specs_of(params), or place the parameters by param_specs."
-            )
-        wanted.append(NamedSharding(mesh, P(*_padded(spec, ndim))))
-    return wanted, NamedSharding(mesh, P())
+        return carried, NamedSharding(meshes[0], P()) if meshes else None
+    placed = [
+        NamedSharding(mesh, P(*_padded(spec, jax.numpy.ndim(leaf))))
+        for (_, leaf), spec in zip(leaves, specs, strict=True)
+    ]
+    return placed, NamedSharding(mesh, P())
 
 
-def zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None, lead: int = 0):
-    """Zeros of ``shape``, created in ``sharding`` (with ``lead`` unsharded leading axes in front
-    of the parameter's), or on the default device where it is ``None``."""
+def _check_layout(path: str, leaf: Any, spec: P | None, mesh: Any) -> None:
+    """Raises ``ValueError`` naming ``path`` where ``spec`` does not fit the parameter
+    (`chain_layout`) or a concrete parameter is laid out otherwise."""
+    chain_layout(jax.numpy.shape(leaf), spec, mesh, path)
+    have = None if isinstance(leaf, jax.core.Tracer) else named_sharding(leaf)
+    ndim = jax.numpy.ndim(leaf)
+    if have is not None and (
+        _padded(have.spec, ndim) != _padded(spec, ndim) or dict(have.mesh.shape) != dict(mesh.shape)
+    ):
+        raise ValueError(
+            f"parameter {path} is laid out as {have.spec} on mesh {dict(have.mesh.shape)}, but "
+            f"param_specs says {spec} on {dict(mesh.shape)}: pass specs_of(params), or place "
+            "the parameters by param_specs."
+        )
+
+
+def zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding | None):
+    """Zeros of ``shape`` (a scalar), created in ``sharding``, or by default where it is None."""
     if sharding is None:
         return jax.numpy.zeros(shape, dtype)
-    ndim = len(shape) - lead
-    spec = P(*(None,) * lead, *_padded(sharding.spec, ndim)) if ndim else P()
-    target = NamedSharding(sharding.mesh, spec)
-    if isinstance(sharding.mesh, jax.sharding.AbstractMesh):
-        return jax.numpy.zeros(shape, dtype, out_sharding=target)
-    return jax.numpy.zeros(shape, dtype, device=target)
+    return jax.numpy.zeros(shape, dtype, device=sharding)
+
+
+def zeros_beside(param: Any, dtype: Any, sharding: NamedSharding | None, band: int = 0):
+    """Zeros of ``param``'s shape (behind a leading unsharded axis of size ``band`` if given),
+    created in ``sharding``; where it is None, laid out as ``param`` is (inside ``jit`` on a mesh
+    with Explicit axes its type says how)."""
+    shape = (*((band,) if band else ()), *jax.numpy.shape(param))
+    if sharding is None:
+        zeros = jax.numpy.zeros_like(param, dtype)
+        return jax.numpy.broadcast_to(zeros[None], shape) if band else zeros
+    spec = P(*((None,) if band else ()), *_padded(sharding.spec, jax.numpy.ndim(param)))
+    return jax.numpy.zeros(shape, dtype, device=NamedSharding(sharding.mesh, spec))
 
 
 def _dim_axes(entry: Any) -> tuple[str, ...]:

@@ -541,14 +541,14 @@ def scale_by_sonew(
         def off_diagonals(p: jax.Array, at: Any) -> Any:
             if static_band == 0 or not _preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
-            return sharding.zeros((static_band, *jnp.shape(p)), offdiag_dtype, at, lead=1)
+            return sharding.zeros_beside(p, offdiag_dtype, at, band=static_band)
 
         def lagged_ratio(p: jax.Array) -> Any:
             if not _preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
             return sharding.zeros((), stats_dtype, scalar)
 
-        like = lambda dtype: lambda p, at: sharding.zeros(jnp.shape(p), dtype, at)  # noqa: E731
+        like = lambda dtype: lambda p, at: sharding.zeros_beside(p, dtype, at)  # noqa: E731
         state = ScaleBySONewState(
             count=sharding.zeros((), jnp.int32, scalar),
             m=jax.tree.map(like(momentum_dtype), params, where, is_leaf=_is_none),
