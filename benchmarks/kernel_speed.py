@@ -6,8 +6,8 @@ Two parts, to find where an update's time goes:
   of the whole jitted update (``update_speed.make_update``: ``optim.apply_gradients``, params
   and state donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel
   alone (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles`` for band
-  0's kernel and band 1's tile kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns
-  must cover its lanes; band 1 runs ``fused.BAND1_KERNEL``). ``gbps`` counts the bytes each one
+  0's kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns must cover its lanes).
+  ``gbps`` counts the bytes each one
   must move (kernel alone: read g, m, d (, e), write u, m, d (, e)).
 * **HLO** of the update of the ~335M LM-shaped set (``lm_shapes.py``): how many kernels the
   compiled program launches per optimizer (fusions, custom calls such as the Pallas kernel, and
@@ -116,15 +116,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--tiles",
         type=parse_tiles,
         default=TILES,
-        help="band 0's (and band 1's tile kernel's) tiles, rows x cols x warps (powers of 2), "
-        "comma-separated",
+        help="band 0's tiles, rows x cols x warps (powers of 2), comma-separated",
     )
     p.add_argument(
         "--scan_tiles",
         type=parse_tiles,
         default=SCAN_TILES,
-        help="band 1's scan kernel tiles (fused.BAND1_KERNEL = 'scan'), as --tiles; "
-        "cols >= 32 x warps",
+        help="band 1's scan kernel tiles, as --tiles; cols >= 32 x warps",
     )
     p.add_argument("--updates", default=UPDATES, help="whole updates to time (update_speed names)")
     p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
@@ -150,8 +148,7 @@ def main(argv=None) -> dict:
     updates = args.updates.split(",")
     for name in updates:
         add(f"update {name}", *time_update(name, shape, args))
-    band1_tiles = args.scan_tiles if fused.BAND1_KERNEL == "scan" else args.tiles
-    for band, tiles in ((0, args.tiles), (1, band1_tiles)):
+    for band, tiles in ((0, args.tiles), (1, args.scan_tiles)):
         for setting in tiles:
             label = "tile {}x{} warps {}".format(*setting)
             add(f"kernel band{band} {label}", *time_kernel(band, setting, shape, args))

@@ -158,31 +158,19 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-def _kernels(text: str) -> list[str]:
-    """``--band1_kernels``: a comma list of ``tile`` and ``scan``."""
-    kernels = [k for k in text.split(",") if k]
-    if not kernels or set(kernels) - {"tile", "scan"}:
-        raise argparse.ArgumentTypeError(f"expected tile and/or scan, got {text!r}")
-    return kernels
-
-
 @contextlib.contextmanager
-def band1(kernel: str, tile: tuple[int, int, int] | None, stack: int | None = None):
-    """Within: band-1 updates built run ``kernel`` (``fused.BAND1_KERNEL``) with default tile
-    ``tile`` and, for the scan, ``stack`` walks per program (``fused.SCAN_STACK``), when given;
-    restored after."""
-    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK
-    fused.BAND1_KERNEL = kernel
-    if tile and kernel == "scan":
+def band1(tile: tuple[int, int, int] | None, stack: int | None = None):
+    """Within: band-1 updates built run the scan with default tile ``tile`` and ``stack`` walks
+    per program (``fused.SCAN_TILE``, ``fused.SCAN_STACK``), when given; restored after."""
+    saved = fused.SCAN_TILE, fused.SCAN_STACK
+    if tile:
         fused.SCAN_TILE = tile
-    elif tile:
-        fused.TILES[1] = tile
     if stack:
         fused.SCAN_STACK = stack
     try:
         yield
     finally:
-        fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK = saved
+        fused.SCAN_TILE, fused.SCAN_STACK = saved
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -193,16 +181,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_timing_args(p, warmup=3, iters=5)
     lm_shapes.add_args(p)
     p.add_argument(
-        "--band1_kernels",
-        type=_kernels,
-        help="tile,scan: profile every optimizer once per band-1 kernel (fused.BAND1_KERNEL; "
-        "rows named optimizer@kernel)",
-    )
-    p.add_argument(
         "--band1_tiles",
         type=kernel_speed.parse_tiles,
-        help="RxCxW,...: profile every optimizer once per band-1 kernel tile (the kernel's "
-        "default set to it; rows named optimizer@RxCxW, or optimizer@kernel:RxCxW), to tune "
+        help="RxCxW,...: profile every optimizer once per band-1 scan tile (the scan's "
+        "default set to it; rows named optimizer@RxCxW), to tune "
         "the tile on the whole update, where kernel_speed.py's one tensor stays partly in L2",
     )
     p.add_argument(
@@ -238,18 +220,14 @@ def main(argv=None) -> dict:
     config = {k: getattr(args, k) for k in ("iters", "warmup", "grad_std")}
     result = common.lm_set_result(args, lm_shapes.count(shapes), **config)
     settings = [
-        (kernel, tile, stack)
-        for kernel in args.band1_kernels or [fused.BAND1_KERNEL]
-        for tile in args.band1_tiles or [None]
-        for stack in args.scan_stacks or [None]
+        (tile, stack) for tile in args.band1_tiles or [None] for stack in args.scan_stacks or [None]
     ]
-    for kernel, tile, stack in settings:
-        suffix = [kernel] if args.band1_kernels else []
-        suffix += ["x".join(map(str, tile))] if tile else []
+    for tile, stack in settings:
+        suffix = ["x".join(map(str, tile))] if tile else []
         suffix += [f"s{stack}"] if stack else []
         for name in args.optimizers:
             label = f"{name}@{':'.join(suffix)}" if suffix else name
-            with common.fused_constants(args.fused), band1(kernel, tile, stack):
+            with common.fused_constants(args.fused), band1(tile, stack):
                 row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
             row["optimizer"] = label
             result["rows"].append(row)

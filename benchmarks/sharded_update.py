@@ -61,9 +61,21 @@ WEIGHT_DECAY = 0.1
 
 
 def make_sonew(band: int, mesh: Mesh | None = None, specs=None):
-    """The SONew optimizer of this benchmark (sharded when ``mesh`` and ``specs`` are given)."""
+    """The SONew optimizer of this benchmark (sharded when ``mesh`` and ``specs`` are given).
+
+    The one-device reference runs the kernels on a GPU, as a one-GPU process does by default: in
+    a process of several devices the default (``"auto"``) keeps an update without ``mesh`` on
+    XLA, since the caller's ``jit`` might shard its arrays, and the reference would be slower
+    than one GPU's update.
+    """
+    implementation = "pallas" if mesh is None and jax.default_backend() == "gpu" else "auto"
     return optim.sonew(
-        LEARNING_RATE, band=band, weight_decay=WEIGHT_DECAY, mesh=mesh, param_specs=specs
+        LEARNING_RATE,
+        band=band,
+        weight_decay=WEIGHT_DECAY,
+        mesh=mesh,
+        param_specs=specs,
+        implementation=implementation,
     )
 
 

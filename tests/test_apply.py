@@ -87,13 +87,12 @@ def kernel_spy(monkeypatch):
 GRAFTS = {"lag": dict(graft_lag=True), "none": dict(graft="none"), "exact": dict()}
 
 
-# Band 0, band 1's scan kernel (the default) and its tile kernel, band 4's kernel ("band").
+# Band 0, band 1's scan kernel, band 4's kernel ("band").
 @pytest.mark.parametrize(
     "band, kernel, graft",
     [
         (0, "scan", "lag"),
         (1, "scan", "lag"),
-        (1, "tile", "lag"),
         (1, "scan", "none"),
         (1, "scan", "exact"),
         (4, "band", "lag"),
@@ -102,7 +101,6 @@ GRAFTS = {"lag": dict(graft_lag=True), "none": dict(graft="none"), "exact": dict
 def test_kernel_apply_equals_update_then_apply_updates(
     x64, band, kernel, graft, monkeypatch, kernel_spy
 ):
-    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan" if kernel == "band" else kernel)
     monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
     monkeypatch.setattr(fused, "BANDED_TILE", (16, 64, 2))
     params, grads = _problem(SHAPES)
@@ -173,8 +171,8 @@ def test_sharded_apply_equals_unsharded(x64):
 
 
 def test_sharded_kernel_apply_equals_unsharded(x64, kernel_spy):
-    """Under a mesh the replicated tensor's kernel writes its parameters inside ``shard_map``,
-    the sharded ones take the halo exchange and XLA's apply; all equal the unsharded optimizer."""
+    """Under a mesh every tensor's kernel writes its parameters inside ``shard_map`` (the sharded
+    ones with their edges from the neighbouring shards); all equal the unsharded optimizer."""
     mesh = make_mesh((2, 4))
     specs = {"cols": P(None, "model"), "rows": P("data", None), "rep": P()}
     params, grads = _problem({"cols": (5, 8), "rows": (8, 3), "rep": (6, 7)}, steps=3)
@@ -194,7 +192,7 @@ def test_sharded_kernel_apply_equals_unsharded(x64, kernel_spy):
         p, s = step(p, s, put(g, specs))
     _assert_close(expect[0], p, 1e-12)
     _assert_close(expect[1], s, 1e-12)
-    assert kernel_spy == [True]  # traced once: "rep", the one tensor whole on every device
+    assert kernel_spy == [True] * 3
 
 
 def test_chain_keeps_the_last_apply(x64):

@@ -271,61 +271,38 @@ def test_profile_update_schema(tmp_path):
 
 
 def test_profile_update_band1_tiles(tmp_path, monkeypatch):
-    """One row per (tile, optimizer), each profiled with its tile as the default band-1 kernel's
-    (the scan's) into a trace folder of its own; the tiles are restored. (The profiling itself
-    is a stub: test_profile_update_schema runs it; two real profiles here took 20 s of CI.)"""
-    assert fused.BAND1_KERNEL == "scan"
-    default = fused.TILES[1], fused.SCAN_TILE
+    """One row per (tile, stack, optimizer), each profiled with its tile and stack as the scan's
+    defaults into a trace folder of its own; the defaults are restored. (The profiling itself is
+    a stub: test_profile_update_schema runs it; two real profiles here took 20 s of CI.)"""
+    default = fused.SCAN_TILE, fused.SCAN_STACK
     seen = []
 
     def stub(name, shapes, grads, args, trace_dir):
-        assert fused.TILES[1] == default[0]
-        seen.append((fused.SCAN_TILE, trace_dir))
+        seen.append((fused.SCAN_TILE, fused.SCAN_STACK, trace_dir))
         return _stub_row(name)
 
     monkeypatch.setattr(profile_update, "profile_optimizer", stub)
     traces = tmp_path / "traces"
     argv = ["--optimizers", "sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
-    argv += ["--band1_tiles", "8x32x2,16x64x4", "--trace_dir", str(traces)]
+    argv += ["--band1_tiles", "8x32x2,16x64x4", "--scan_stacks", "2"]
+    argv += ["--trace_dir", str(traces)]
     out = tmp_path / "p.json"
     written = _read(out, profile_update.main([*argv, "--out", str(out)]))
-    labels = ["sonew_tridiag@8x32x2", "sonew_tridiag@16x64x4"]
+    labels = ["sonew_tridiag@8x32x2:s2", "sonew_tridiag@16x64x4:s2"]
     assert [row["optimizer"] for row in written["rows"]] == labels
-    assert seen == [((8, 32, 2), traces / labels[0]), ((16, 64, 4), traces / labels[1])]
-    assert (fused.TILES[1], fused.SCAN_TILE) == default
+    assert seen == [
+        ((8, 32, 2), 2, traces / labels[0]),
+        ((16, 64, 4), 2, traces / labels[1]),
+    ]
+    assert default == (fused.SCAN_TILE, fused.SCAN_STACK)
+    for bad in (["--scan_stacks", "3"], ["--scan_stacks", "x"]):
+        with pytest.raises(SystemExit):
+            profile_update.parse_args(bad)
 
 
 def _stub_row(name: str) -> dict:
     """A row as ``profile_update.profile_optimizer`` returns it, for tests of what surrounds it."""
     return dict(optimizer=name, wall_ms=1.0, busy_ms=0.0, idle_ms=1.0, kernels=0, families=[])
-
-
-def test_profile_update_band1_kernels(tmp_path, monkeypatch):
-    """Rows per (kernel, tile, stack), each profiled under its kernel, tile and stack; the
-    kernel, both default tiles and the stack are restored. (The profiling itself is a stub here:
-    test_profile_update_schema runs it, and interpreting both band-1 kernels took 75 s.)"""
-    saved = fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK
-    seen = []
-
-    def stub(name, *args):
-        seen.append((fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK))
-        return _stub_row(name)
-
-    monkeypatch.setattr(profile_update, "profile_optimizer", stub)
-    argv = ["--optimizers", "sonew_tridiag_pallas", "--warmup", "0", "--iters", "1", *TINY]
-    argv += ["--band1_kernels", "tile,scan", "--band1_tiles", "8x64x2", "--scan_stacks", "2"]
-    out = tmp_path / "p.json"
-    written = _read(out, profile_update.main([*argv, "--out", str(out)]))
-    assert [row["optimizer"] for row in written["rows"]] == [
-        "sonew_tridiag_pallas@tile:8x64x2:s2",
-        "sonew_tridiag_pallas@scan:8x64x2:s2",
-    ]
-    tile = (8, 64, 2)
-    assert seen == [("tile", tile, saved[2], 2), ("scan", saved[1], tile, 2)]
-    assert (fused.BAND1_KERNEL, fused.TILES[1], fused.SCAN_TILE, fused.SCAN_STACK) == saved
-    for bad in (["--band1_kernels", "tile,rows"], ["--scan_stacks", "3"], ["--scan_stacks", "x"]):
-        with pytest.raises(SystemExit):
-            profile_update.parse_args(bad)
 
 
 def test_profile_update_sets_fused_constants(tmp_path, monkeypatch):

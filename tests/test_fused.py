@@ -17,8 +17,9 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import apply_gradients, concurrent_jit, fused, sonew
-from sonew_pax.optim.chain import ChainLayout
+from sonew_pax.optim import apply_gradients, concurrent_jit, fused, sharding, sonew
+from sonew_pax.optim.chain import ChainLayout, edges, halo_width
+from sonew_pax.optim.chain import run as run_exchange
 from tests.test_sonew_sharded import make_mesh, run
 
 # 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 16 x 64 for band 1; the scan's
@@ -59,29 +60,83 @@ def _assert_close(expect, got, rtol):
         assert np.linalg.norm(b - a) <= rtol * np.linalg.norm(a) + 1e-300, (a.shape, rtol)
 
 
-@pytest.mark.parametrize("shape", [(1,), (6,), (5, 1), (1, 5), (4, 7), (3, 4, 5), (2, 1, 3, 2)])
-def test_chain_neighbour_is_the_fortran_order_successor(shape):
-    size = int(np.prod(shape))
-    # position[f]: chain index of the element at row-major offset f; order: its inverse.
-    position = np.arange(size).reshape(shape, order="F").reshape(-1)
-    order = np.argsort(position)
-    offsets = jnp.arange(size, dtype=jnp.int32)
-    for step in (1, -1):
-        got, exists = fused.chain_neighbour(offsets, shape, step)
-        target = position + step
-        expect_exists = (target >= 0) & (target < size)
-        np.testing.assert_array_equal(np.asarray(exists), expect_exists)
-        np.testing.assert_array_equal(np.asarray(got)[expect_exists], order[target[expect_exists]])
+def _dense_edges(x: np.ndarray, rows: int, before: int, after: int):
+    """The chain neighbours of a block's first and last rows, from the whole tensor ``x`` in
+    Fortran order (an independent reference for ``chain.edges``): ``(pre, post)`` per block of
+    ``rows`` rows along axis 0 (all columns)."""
+    flat = x.reshape(-1, order="F")
+    index = np.arange(x.size).reshape(x.shape, order="F")  # chain position of each element
+    out = []
+    for first in range(0, x.shape[0], rows):
+        top, bottom = index[first], index[first + rows - 1]
+
+        def take(position):
+            ok = (position >= 0) & (position < x.size)
+            return np.where(ok, flat[np.clip(position, 0, x.size - 1)], 0)
+
+        pre = np.stack([take(top - before + r) for r in range(before)])
+        post = np.stack([take(bottom + 1 + r) for r in range(after)])
+        out.append((pre, post))
+    return out
 
 
-# Band 0, band 1's tile kernel, and its scan kernel in blocks of 16 rows and 64 columns (several
+@pytest.mark.parametrize("shape", [(1,), (6,), (5, 1), (4, 7), (3, 4, 5), (7, 1, 3, 2)])
+@pytest.mark.parametrize("band", [1, 2])
+def test_edges_of_a_whole_tensor_are_its_wrapped_chain_neighbours(shape, band):
+    before, after = halo_width(band)
+    if shape[0] < max(before, after):
+        pytest.skip("the kernels take blocks with at least as many rows as the halo")
+    x = np.arange(1, np.prod(shape) + 1, dtype=np.float64).reshape(shape)
+    pre, post = run_exchange(edges(jnp.asarray(x), ChainLayout.unsharded(shape), before, after))
+    ((expect_pre, expect_post),) = _dense_edges(x, shape[0], before, after)
+    np.testing.assert_array_equal(np.asarray(pre), expect_pre)
+    np.testing.assert_array_equal(np.asarray(post), expect_post)
+
+
+@pytest.mark.parametrize(
+    "shape, spec",
+    [
+        ((16, 3), P(("data", "model"), None)),  # rows: 2 per shard, the chain wraps between shards
+        ((6, 8), P(None, "model")),  # columns: the wrap crosses column shards
+        ((8, 12), P("data", "model")),  # both
+        ((4, 3, 8), P("data", None, "model")),  # 3-D, the carry through an unsharded axis
+        ((32,), P(("model", "data"))),  # 1-D
+    ],
+)
+def test_edges_of_shards_are_the_chain_neighbours_of_their_blocks(shape, spec):
+    """``chain.edges`` inside ``shard_map``: each shard's edges are the dense chain neighbours of
+    its block's first and last rows, with band 2's widths (2 rows before, 3 after)."""
+    mesh = make_mesh((2, 4))
+    layout = sharding.chain_layout(shape, spec, mesh)
+    local = fused.local_shape(layout)
+    before, after = 1, min(3, local[0])
+    x = np.arange(1, np.prod(shape) + 1, dtype=np.float64).reshape(shape)
+
+    def local_edges(block):
+        return tuple(run_exchange(edges(block, layout, before, after)))
+
+    sharded = jax.shard_map(local_edges, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+    placed = jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, spec))
+    pre, post = jax.jit(sharded)(placed)
+    pre, post = np.asarray(pre), np.asarray(post)
+    blocks = _dense_edges(x, local[0], before, after)  # per block of rows
+    # Shard (i, j...) holds rows [i l, (i + 1) l) and its columns; its edges sit at its place.
+    for index in np.ndindex(*layout.shards):
+        at = tuple(slice(k * n, (k + 1) * n) for k, n in zip(index[1:], local[1:], strict=True))
+        p, q = blocks[index[0]]
+        rows_p = slice(index[0] * before, (index[0] + 1) * before)
+        rows_q = slice(index[0] * after, (index[0] + 1) * after)
+        np.testing.assert_array_equal(pre[(rows_p, *at)], p[(slice(None), *at)])
+        np.testing.assert_array_equal(post[(rows_q, *at)], q[(slice(None), *at)])
+
+
+# Band 0, and band 1's scan kernel in blocks of 16 rows and 64 columns (several
 # per test tensor, ragged) walking 8 rows (2 walks per block) with the default ``SCAN_AHEAD``, or
 # 4 rows (4 walks; the ragged blocks' last walks are short or empty) loading 3 rows ahead (more
 # than a walk has left), so walks read each other's edge rows within a block and the halo copies
 # across blocks.
 _KERNELS = [
-    (0, "tile", None, None),
-    (1, "tile", None, None),
+    (0, "diagonal", None, None),
     (1, "scan", 2, None),
     (1, "scan", 4, 3),
 ]
@@ -96,7 +151,6 @@ ALL_KERNELS = pytest.mark.parametrize(
 def use_kernel(monkeypatch):
     def use(kernel: str, stack: int | None, ahead: int | None) -> None:
         monkeypatch.setattr(fused, "BANDED_TILE", (8, 64, 2))
-        monkeypatch.setattr(fused, "BAND1_KERNEL", "tile" if kernel == "band" else kernel)
         monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
         if stack:
             monkeypatch.setattr(fused, "SCAN_STACK", stack)
@@ -145,12 +199,11 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, stack, ahead, use_ke
     _assert_close(expect_state, got_state, 1.5e-2)
 
 
-# Tensors for bands >= 2: 2-D to 4-D with at least 2 b rows along axis 0 (``fused.supported``),
+# Tensors for bands >= 2: 1-D to 4-D with at least 2 b - 1 rows along axis 0 (``fused.supported``),
 # in ``use_kernel``'s 8-row chunks of 64-column blocks (several of each, ragged last ones, a
-# one-row last chunk), whose walks run 3 b - 1 rows past their chunk and wrap into the
-# neighbouring columns of the chain; one exactly 2 b = 8 rows tall for band 4; one of a single
-# column (no neighbouring column). "short" is too short for band 4 and the 1-D tensor is 1-D:
-# both take the XLA path there.
+# one-row last chunk), whose walks run 3 b - 1 rows past their chunk and read the neighbouring
+# columns of the chain from the edges; one exactly 8 rows tall; one of a single column (no
+# neighbouring column). "short" is too short for band 4: it takes the XLA path there.
 BANDED_SHAPES = {
     "mat": (41, 70),
     "deep": (9, 4, 5),
@@ -195,7 +248,7 @@ def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
     _assert_close(expect, got, 1e-9)
     expected = _on_banded_kernel(BANDED_SHAPES, band)
-    assert set(banded_spy) == expected and len(expected) == {2: 6, 3: 5, 4: 5}[band]
+    assert set(banded_spy) == expected and len(expected) == {2: 7, 3: 7, 4: 6}[band]
 
 
 def test_band_halos_are_each_chunks_first_and_last_rows():
@@ -324,11 +377,11 @@ def test_group_update_rejects_tensors_of_different_launch_keys():
             )  # fmt: skip
 
 
-@pytest.mark.parametrize("kernel", ["tile", "scan", "band"])
+@pytest.mark.parametrize("kernel", ["scan", "band"])
 def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
-    learning rates and eps, as the autoencoder benchmark sweeps them (band 1's two kernels, and
-    band 4's)."""
+    learning rates and eps, as the autoencoder benchmark sweeps them (band 1's kernel, and band
+    4's)."""
     use_kernel(kernel, None, None)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
 
@@ -394,36 +447,55 @@ def test_kernel_norms_of_subnormal_directions(band, kernel, stack, ahead, use_ke
     _assert_close(expect, got, 1e-5)
 
 
-@pytest.mark.parametrize("band", [1, 4])
-def test_sharded_tensors_keep_the_xla_path(x64, band, use_kernel, banded_spy):
-    """Under a mesh, sharded tensors take the halo-exchange path and replicated ones the kernel
-    (band 4's too: its walk and halo copies inside ``shard_map``); the result equals the
-    unsharded optimizer."""
+@pytest.fixture
+def kernel_spy(monkeypatch):
+    """The (band, local shape) of every tensor whose step a kernel traced."""
+    traced = []
+    real = fused.group_update
+
+    def spy(gs, ms, ds, es, *args, **kwargs):
+        band = 0 if isinstance(es[0], optax.MaskedNode) else es[0].shape[0]
+        traced.extend((band, g.shape) for g in gs)
+        return real(gs, ms, ds, es, *args, **kwargs)
+
+    monkeypatch.setattr(fused, "group_update", spy)
+    return traced
+
+
+@pytest.mark.parametrize("band", [0, 1, 2, 4])
+def test_sharded_tensors_run_the_kernels_on_their_blocks(x64, band, use_kernel, kernel_spy):
+    """Under a mesh every tensor whose block has the rows its step reads beyond it runs the
+    kernel on that block, with its edges from the neighbouring shards: rows, columns, both, a
+    1-D vector, a replicated tensor; thinner blocks take the XLA path. The result equals the
+    unsharded XLA path."""
     use_kernel("band" if band > 1 else "scan", None, None)
     mesh = make_mesh((2, 4))
-    shapes = {"cols": (5, 8), "rows": (8, 3), "rep": (9, 7)}
-    specs = {"cols": P(None, "model"), "rows": P("data", None), "rep": P()}
-    assert not fused.supported(ChainLayout((5, 8), ((), ("model",)), (1, 4)), 1)
-    assert fused.supported(ChainLayout.unsharded((6, 7)), 1)
-    assert fused.supported(ChainLayout((6, 7), (("data",), ()), (1, 1)), 1)  # one-device mesh
-    assert fused.supported(ChainLayout.unsharded((6, 7)), 3)  # 2 x 3 rows along axis 0
+    shapes = {"cols": (9, 8), "rows": (16, 3), "both": (16, 12), "vec": (40,), "rep": (9, 7)}
+    specs = {
+        "cols": P(None, "model"),
+        "rows": P("data", None),
+        "both": P("data", "model"),
+        "vec": P(("model", "data")),
+        "rep": P(),
+    }
+    local = {"cols": (9, 2), "rows": (8, 3), "both": (8, 3), "vec": (5,), "rep": (9, 7)}
+    assert not fused.supported(ChainLayout((16, 8), (("data",), ()), (8, 1)), 2)  # 2 rows
+    assert fused.supported(ChainLayout((16, 8), (("data",), ()), (8, 1)), 1)
+    assert fused.supported(ChainLayout.unsharded((6, 7)), 3)  # 2 x 3 - 1 rows along axis 0
     assert not fused.supported(ChainLayout.unsharded((6, 7)), 4)
-    assert not fused.supported(ChainLayout.unsharded((42,)), 2)  # bands >= 2: at least 2-D
+    assert fused.supported(ChainLayout.unsharded((42,)), 2)  # a 1-D view is one column
     assert fused.supported(ChainLayout.unsharded((64, 7)), fused.MAX_KERNEL_BAND)
     assert not fused.supported(ChainLayout.unsharded((64, 7)), fused.MAX_KERNEL_BAND + 1)
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
-    grads = _trajectory(shapes, ["normal"] * 3)
-    kwargs = dict(band=band, stats_dtype=jnp.float64)
+    grads = _trajectory(shapes, ["normal", "normal", "equal", "normal"])
+    kwargs = dict(band=band, eps=1e-4, precondition_1d=True, stats_dtype=jnp.float64)
     expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    got = run(
-        sonew(0.1, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs),
-        params,
-        grads,
-        mesh,
-        specs,
-    )
-    _assert_close(expect, got, 1e-11 if band == 1 else 1e-9)
-    assert set(banded_spy) == ({(9, 7)} if band > 1 else set())
+    tx = sonew(0.1, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs)
+    got = run(tx, params, grads, mesh, specs)
+    _assert_close(expect, got, 1e-11 if band <= 1 else 1e-9)
+    rows_needed = max(halo_width(band))
+    expected = {(band, s) for s in local.values() if s[0] >= rows_needed}
+    assert set(kernel_spy) == expected and len(expected) >= 3
 
 
 def test_unknown_implementation_is_named():
@@ -491,7 +563,6 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
 def test_scan_kernel_rejects_blocks_smaller_than_its_lanes(monkeypatch):
     """A scan block of ``SCAN_STACK`` walks by ``cols`` needs a lane per element: 4 walks of 16
     columns are 64 elements for 128 lanes."""
-    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
     monkeypatch.setattr(fused, "SCAN_STACK", 4)
     shape = (40, 64)
     m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
@@ -531,11 +602,8 @@ def test_leaf_update_rejects_halos_of_another_tile():
 
 def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
     """The scan halves its rows (down to walks of ``_SCAN_MIN_WALK``) until a tensor has
-    ``_SCAN_LANES`` walks times columns; band 0 and the tile kernel keep their tiles; the halos
-    follow the step's rows."""
-    monkeypatch.setattr(fused, "BAND1_KERNEL", "tile")
-    assert fused.default_tile(1, (70, 130)) == fused.TILES[1]
-    monkeypatch.setattr(fused, "BAND1_KERNEL", "scan")
+    ``_SCAN_LANES`` walks times columns; band 0 keeps its tile; the halos follow the step's
+    rows."""
     monkeypatch.setattr(fused, "SCAN_TILE", (128, 64, 2))
     monkeypatch.setattr(fused, "SCAN_STACK", 4)
     monkeypatch.setattr(fused, "_SCAN_LANES", 2**18)
@@ -548,11 +616,11 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
         (1024, 1024): (32, 8),  # 128 x 1024 lanes in walks of 8: the shortest walk
         (16384, 4, 64): (64, 4),  # the view is 16384 x 256
         (70, 130): (32, 8),
-        (100000,): (32, 8),  # one row
+        (100000,): (32, 8),  # one column
     }
     for shape, (rows, warps) in tiles.items():
         assert fused.default_tile(1, shape) == (rows, 64, warps), shape
-        assert fused.default_tile(0, shape) == fused.TILES[0]
+        assert fused.default_tile(0, shape) == fused.TILE
     # One walk per program: the walk is the block, already a lane per column on 2 warps.
     monkeypatch.setattr(fused, "SCAN_STACK", 1)
     assert fused.default_tile(1, (1024, 4096)) == (16, 64, 2)
@@ -628,8 +696,8 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
     monkeypatch.setattr(fused, "_HALO_GROUP", 2)
     params = {f"mat{k}": jnp.zeros((70, 130)) for k in range(3)} | {"vec": jnp.zeros((33,))}
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
-    step = "step" if kernel == "tile" else "scan"
-    expected = {f"sonew_band{band}_{step}"} | ({"sonew_halo"} if band >= 1 else set())
+    name = "sonew_diagonal" if band == 0 else f"sonew_band{band}_scan"
+    expected = {name} | ({"sonew_halo"} if band >= 1 else set())
     # The optax update, and the fused apply (the kernels write the parameters: graft_lag).
     for tx, call in (
         (sonew(0.1, band=band, implementation="pallas"), lambda tx, g, s, p: tx.update(g, s, p)),
@@ -643,4 +711,4 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
         assert {name for _, name in kernels} == expected
         assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}
         assert ("fma.rn.f32" in text) == (band >= 2)
-        assert [name for _, name in kernels].count(f"sonew_band{band}_{step}") == 1
+        assert [found for _, found in kernels].count(name) == 1

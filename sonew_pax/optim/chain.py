@@ -16,7 +16,8 @@ The grafting norms (:func:`norms`) are one local reduction followed by ``pmax``/
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Generator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,28 +54,152 @@ def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
     """Returns ``y`` with ``y[i] = x[i + k]`` along the chain (zero where ``i + k`` is off it).
 
     ``x`` may carry leading batch axes in front of the tensor's own axes (e.g. the stacked band
-    axis of the off-diagonal statistics); they are shifted independently.
+    axis of the off-diagonal statistics); they are shifted independently. For a sharded layout
+    (inside ``shard_map``) the slabs it needs come from the other shards (:func:`run`).
 
     Args:
       x: the (local block of the) tensor, shape ``(*batch, *local_shape)``.
       k: the step along the chain, positive (successors) or negative (predecessors).
       layout: the tensor's :class:`ChainLayout`.
     """
-    return _shift(x, k, layout, 0)
+    return run(_shift(x, k, layout, 0))
 
 
 def shift_many(xs: list[jax.Array], k: int, layout: ChainLayout) -> list[jax.Array]:
-    """:func:`shift` of several same-shaped, same-dtype tensors of one layout.
+    """:func:`shift` of several tensors of one layout (sharded, their slabs travel together)."""
+    return run(parallel([_shift(x, k, layout, 0) for x in xs]))
 
-    Sharded, they travel together (one halo exchange instead of one each: collective-permutes are
-    latency-bound); unsharded, each is shifted on its own so nothing is stacked in memory.
+
+def edges(x: jax.Array, layout: ChainLayout, before: int, after: int) -> Program:
+    """An exchange program returning the chain neighbours of the local block's first and last
+    rows along axis 0: ``(pre, post)`` of shapes ``(*batch, before, *rest)`` and ``(*batch,
+    after, *rest)``, with ``pre[..., r, j...]`` the element ``before - r`` steps before row 0 of
+    column ``j...`` on the chain and ``post[..., r, j...]`` the one ``r + 1`` steps after its
+    last row; zero off the chain's ends, as :func:`shift` is.
+
+    These are all a step on the block reads from outside it (``before`` and ``after``: the halo
+    widths of :func:`halo_width`). Along a sharded axis 0 they are the neighbouring shards'
+    nearest rows, where the chain wraps from the last row of a column to the first of the next
+    (Fortran order of the other axes) the rows of the next column, itself an exchange where
+    those axes are sharded. Needs ``before`` and ``after`` at most the block's rows (a walk of
+    one hop).
     """
-    if not layout.mesh_axes:
-        return [shift(x, k, layout) for x in xs]
-    return list(shift(jnp.stack(xs), k, layout))
+    rows = x.shape[x.ndim - len(layout.shape)]
+    if max(before, after) > rows:
+        raise ValueError(f"edges of {before} and {after} rows from a block of {rows} rows")
+    return (
+        yield from parallel([
+            _halo(x, layout, 0, rows, before, -1),
+            _halo(x, layout, 0, rows, after, 1),
+        ])
+    )  # fmt: skip
 
 
-def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> jax.Array:
+def halo_width(band: int) -> tuple[int, int]:
+    """How far before and after an element along the chain its step reads its inputs.
+
+    Band 1: ``u_i`` reads ``(g, m, d)`` at ``i - 1 .. i + 1`` and the edge statistics at ``i - 1``
+    and ``i``. Band ``b >= 2`` (Algorithm 3): the factor of vertex ``j`` reads its window ``[j, j +
+    b]`` and the cut tests of ``j .. j + b - 1`` (each its own window), so ``[j, j + 2b - 1]``;
+    ``u_i`` applies the factors of ``i - b .. i``.
+    """
+    if band == 0:
+        return 0, 0
+    if band == 1:
+        return 1, 1
+    return band, 2 * band - 1
+
+
+# --- Exchange programs ------------------------------------------------------------------------
+#
+# Everything that moves data between shards is written as a generator, an *exchange program*: it
+# yields the list of `Send`s it needs at that point and is resumed with what they delivered, then
+# returns its result. `parallel` runs several programs in lock step, merging their requests round
+# by round, and `run` performs each round's requests with one collective-permute per (mesh axes,
+# offset): however many tensors take part, a round costs as many messages as it has distinct
+# directions. A program that needs nothing from other shards returns at once.
+
+
+class Send(NamedTuple):
+    """One request of an exchange program: shard ``s`` receives ``array`` (as computed on shard
+    ``(s + offset) mod P``) from along the mesh axes ``names`` (``P`` shards, block order)."""
+
+    array: jax.Array
+    names: MeshAxes
+    offset: int
+
+
+Program = Generator[list[Send], list[jax.Array], Any]
+
+
+def parallel(programs: list[Program]) -> Program:
+    """An exchange program running ``programs`` in lock step; returns their results in order."""
+    results: list[Any] = [None] * len(programs)
+    requests: dict[int, list[Send]] = {}
+
+    def advance(i: int, received: list[jax.Array] | None) -> None:
+        try:
+            requests[i] = programs[i].send(received)
+        except StopIteration as stop:
+            requests.pop(i, None)
+            results[i] = stop.value
+
+    for i in range(len(programs)):
+        advance(i, None)
+    while requests:
+        order = [(i, len(sends)) for i, sends in requests.items()]
+        received = yield [send for sends in requests.values() for send in sends]
+        at = 0
+        for i, count in order:
+            advance(i, received[at : at + count])
+            at += count
+    return results
+
+
+def run(program: Program) -> Any:
+    """Performs ``program``'s requests round by round (:func:`exchange`); returns its result."""
+    try:
+        sends = program.send(None)
+        while True:
+            sends = program.send(exchange(sends))
+    except StopIteration as stop:
+        return stop.value
+
+
+def exchange(sends: list[Send]) -> list[jax.Array]:
+    """What each of ``sends`` delivers: the arrays going the same way (same mesh axes and offset)
+    are packed into one byte buffer and moved by one collective-permute."""
+    received: list[jax.Array | None] = [None] * len(sends)
+    groups: dict[tuple[MeshAxes, int], list[int]] = {}
+    for i, send in enumerate(sends):
+        groups.setdefault((send.names, send.offset), []).append(i)
+    for (names, offset), members in groups.items():
+        arrays = [sends[i].array for i in members]
+        buffer = jnp.concatenate([_as_bytes(x) for x in arrays])
+        num_shards = math.prod(lax.axis_size(n) for n in names)
+        buffer = _fetch_from(buffer, offset, names, num_shards)
+        at = 0
+        for i, x in zip(members, arrays, strict=True):
+            size = x.size * x.dtype.itemsize
+            received[i] = _from_bytes(buffer[at : at + size], x.shape, x.dtype)
+            at += size
+    return received
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``x``'s bytes, flat (uint8)."""
+    return lax.bitcast_convert_type(x, jnp.uint8).reshape(-1)
+
+
+def _from_bytes(data: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """The inverse of :func:`_as_bytes`."""
+    itemsize = jnp.dtype(dtype).itemsize
+    if itemsize == 1:
+        return lax.bitcast_convert_type(data.reshape(shape), dtype)
+    return lax.bitcast_convert_type(data.reshape(*shape, itemsize), dtype)
+
+
+def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> Program:
     """Shift by ``k`` in the Fortran order of tensor axes ``a, a+1, ...`` (earlier ones are batch).
 
     With ``N`` the global size of axis ``a`` and ``k = q N + t`` (``0 <= t < N``), row ``i`` of the
@@ -90,46 +215,88 @@ def _shift(x: jax.Array, k: int, layout: ChainLayout, a: int) -> jax.Array:
     n = layout.shape[a]
     q, t = divmod(k, n)
     if t == 0:
-        return _shift(x, q, layout, a + 1)
+        return (yield from _shift(x, q, layout, a + 1))
     if layout.shards[a] == 1:
-        head = _shift(lax.slice_in_dim(x, t, n, axis=axis), q, layout, a + 1)
-        tail = _shift(lax.slice_in_dim(x, 0, t, axis=axis), q + 1, layout, a + 1)
+        head, tail = yield from parallel([
+            _shift(lax.slice_in_dim(x, t, n, axis=axis), q, layout, a + 1),
+            _shift(lax.slice_in_dim(x, 0, t, axis=axis), q + 1, layout, a + 1),
+        ])  # fmt: skip
         return jnp.concatenate([head, tail], axis=axis)
-    return _shift_sharded_axis(x, q, t, layout, a, axis)
+    return (yield from _shift_sharded_axis(x, q, t, layout, a, axis))
+
+
+def _rows_from(
+    block: jax.Array, w: int, q: int, layout: ChainLayout, a: int, shards: int, carry: int
+) -> Program:
+    """Every shard ``s`` along axis ``a`` receives ``block`` (some of its own rows) as computed on
+    shard ``s' = (s + w) mod P``, after the rest-axes shift by ``q``, or by ``q + carry`` where
+    the fetch wraps around the axis: ``carry = 1`` (``w > 0``) where ``s + (w mod P) >= P``, i.e.
+    ``s' < w mod P``; ``carry = -1`` (``w < 0``) where ``s - (-w mod P) < 0``, i.e.
+    ``s' >= w mod P``. ``q`` counts the whole turns of ``|w| >= P``."""
+    offset = w % shards
+    wraps = offset != 0 and carry != 0
+    plain_program = _shift(block, q, layout, a + 1)
+    if not wraps:
+        send = yield from plain_program
+    else:
+        plain, carried = yield from parallel(
+            [plain_program, _shift(block, q + carry, layout, a + 1)]
+        )
+        index = lax.axis_index(layout.axes[a])
+        wrapped = index < offset if carry > 0 else index >= offset
+        send = jnp.where(wrapped, carried, plain)
+    if offset == 0:
+        return send
+    (received,) = yield [Send(send, layout.axes[a], offset)]
+    return received
 
 
 def _shift_sharded_axis(
     x: jax.Array, q: int, t: int, layout: ChainLayout, a: int, axis: int
-) -> jax.Array:
+) -> Program:
     """:func:`_shift` along an axis split into ``P`` shards of ``l`` rows (inside ``shard_map``).
 
     Write ``t = u l + v`` (``0 <= v < l``). Local rows ``[0, l - v)`` come from rows ``[v, l)`` of
     shard ``s + u`` and rows ``[l - v, l)`` from rows ``[0, v)`` of shard ``s + u + 1`` (indices
     mod ``P``). A piece fetched from shard ``s + w`` has wrapped past the end of the axis, and so
-    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``, i.e. when the *sender*
-    ``s' = (s + w) mod P`` has ``s' < w``: the sender picks the right version and sends one slab.
+    takes the carried (``q + 1``) rest shift, exactly when ``s + w >= P``: the sender picks the
+    right version and sends one slab.
     """
-    num_shards = layout.shards[a]
-    names = layout.axes[a]
+    shards = layout.shards[a]
     rows = x.shape[axis]
     u, v = divmod(t, rows)
-    index = lax.axis_index(names)
 
-    def piece(start: int, stop: int, w: int) -> jax.Array:
+    def piece(start: int, stop: int, w: int) -> Program:
         block = lax.slice_in_dim(x, start, stop, axis=axis)
-        plain = _shift(block, q, layout, a + 1) if w < num_shards else None
-        carried = _shift(block, q + 1, layout, a + 1) if w > 0 else None
-        if carried is None:
-            send = plain
-        elif plain is None:
-            send = carried
-        else:
-            send = jnp.where(index < w, carried, plain)
-        return _fetch_from(send, w % num_shards, names, num_shards)
+        if w == shards:  # every shard's piece wrapped: all carried, each from itself
+            return (yield from _rows_from(block, 0, q + 1, layout, a, shards, 0))
+        return (yield from _rows_from(block, w, q, layout, a, shards, 1))
 
     if v == 0:
-        return piece(0, rows, u)
-    return jnp.concatenate([piece(v, rows, u), piece(0, v, u + 1)], axis=axis)
+        return (yield from piece(0, rows, u))
+    first, second = yield from parallel([piece(v, rows, u), piece(0, v, u + 1)])
+    return jnp.concatenate([first, second], axis=axis)
+
+
+def _halo(
+    x: jax.Array, layout: ChainLayout, a: int, rows: int, count: int, direction: int
+) -> Program:
+    """The ``count`` slices along axis ``a`` that precede (``direction = -1``) or follow (``1``)
+    the shard's block on the chain: hop ``h`` brings the nearest rows of shard ``s + h direction``,
+    wrapping around the axis with a carry (whole turns ``h // P`` for hops beyond the axis)."""
+    axis = x.ndim - len(layout.shape) + a
+    shards = layout.shards[a]
+    programs = []
+    for hop in range(1, -(-count // rows) + 1):
+        m = min(rows, count - (hop - 1) * rows)
+        start = 0 if direction > 0 else rows - m
+        block = lax.slice_in_dim(x, start, start + m, axis=axis)
+        turns = direction * (hop // shards)
+        programs.append(_rows_from(block, direction * hop, turns, layout, a, shards, direction))
+    pieces = yield from parallel(programs)
+    if not pieces:
+        return lax.slice_in_dim(x, 0, 0, axis=axis)
+    return jnp.concatenate(pieces[::-1] if direction < 0 else pieces, axis=axis)
 
 
 def _fetch_from(y: jax.Array, offset: int, names: MeshAxes, num_shards: int) -> jax.Array:
@@ -208,8 +375,8 @@ def norms(xs: list[jax.Array], layout: ChainLayout) -> list[jax.Array]:
     )
 
 
-def merge_norm_parts(scales, sums, reduce_max, reduce_sum) -> jax.Array:
-    """``||x||`` from partial ``(scale, sum (x / scale)^2)`` pairs (shards, or kernel tiles).
+def merge_pairs(scales, sums, reduce_max, reduce_sum) -> tuple[jax.Array, jax.Array]:
+    """One ``(scale, sum (x / scale)^2)`` pair from partial pairs (shards, or kernel tiles).
 
     Each partial sum is rescaled to the largest scale before they are added, so nothing overflows
     or underflows. ``reduce_max`` / ``reduce_sum`` combine the parts (``pmax`` / ``psum`` across
@@ -217,4 +384,10 @@ def merge_norm_parts(scales, sums, reduce_max, reduce_sum) -> jax.Array:
     """
     top = reduce_max(scales)
     ratio = scales / jnp.where(top > 0, top, 1)
-    return top * jnp.sqrt(reduce_sum(sums * ratio * ratio))
+    return top, reduce_sum(sums * ratio * ratio)
+
+
+def merge_norm_parts(scales, sums, reduce_max, reduce_sum) -> jax.Array:
+    """``||x||`` from partial ``(scale, sum (x / scale)^2)`` pairs (:func:`merge_pairs`)."""
+    top, total = merge_pairs(scales, sums, reduce_max, reduce_sum)
+    return top * jnp.sqrt(total)

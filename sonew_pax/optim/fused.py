@@ -99,28 +99,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import fma, pointwise, solve
-from sonew_pax.optim.chain import ChainLayout
+from sonew_pax.optim.chain import ChainLayout, Program, halo_width, parallel, run
+from sonew_pax.optim.chain import edges as chain_edges
 from sonew_pax.optim.fma import madd
 
-# (rows, cols, num_warps) per band: the view's rows x cols per program and its warps, the fastest
-# of the tiles benchmarks/kernel_speed.py tried on an H200 on an 8192 x 8192 tensor
-# (results/kernel_speed.json; 2026-11-26: band 0 at 2.8 TB/s, band 1 at 1.9 TB/s). Band 1's halo
-# rows are 2 / rows of the state. (On one tensor of the LM set's shapes kernel_speed.py favours
-# 32 x 32, but that tensor's state stays partly in L2; in the whole LM-set update 32 x 32 is
-# slower: results/profile_update_tile32x32.json against results/profile_update.json.)
-TILES = {0: (8, 128, 8), 1: (16, 64, 4)}
-# Band 1's kernel: "scan" (``_scan_kernel``, the default) or "tile" (``_step_kernel``, as band
-# 0's; see the module docstring). The scan's default tile: a program covers ``rows x cols`` of the
-# view in ``SCAN_STACK`` walks of ``rows / SCAN_STACK`` rows, one under another; the chain is
-# serial, so a small tensor gets shorter walks (rows halved, down to walks of ``_SCAN_MIN_WALK``)
-# until it has ``_SCAN_LANES`` walks times columns to spread over the GPU. On an H100 (one walk per
-# program, results/profile_update_scan_tiles.json) walks of 16 rows were fastest on the LM set's
-# 4M-element tensors, 8 on its 1M-element ones (2**18 lanes each); stacking walks in a program
-# makes its halo rows 2 / rows of the state, not 2 / walk. Each halving of the rows doubles the
-# warps (the threads stay): on an H100 the 1M-element tensors' walks of 8 took 1.48 ms on 4 warps
-# against 1.56 on 2, the 4M-element ones' walks of 16 1.25 ms on 2 against 1.35 on 4
-# (results/profile_update_scan_stack.json, results/profile_update_scan_warps.json).
-BAND1_KERNEL = "scan"
+# (rows, cols, num_warps) of the diagonal step: the view's rows x cols per program and its warps,
+# the fastest of the tiles benchmarks/kernel_speed.py tried on an 8192 x 8192 tensor.
+TILE = (8, 128, 8)
+# Band 1's scan: a program covers ``rows x cols`` of the view in ``SCAN_STACK`` walks of ``rows /
+# SCAN_STACK`` rows, one under another; the chain is serial, so a small tensor gets shorter walks
+# (rows halved, down to walks of ``_SCAN_MIN_WALK``) until it has ``_SCAN_LANES`` walks times
+# columns to spread over the GPU. Stacking walks in a program makes its halo rows 2 / rows of the
+# state, not 2 / walk. Each halving of the rows doubles the warps (the threads stay).
 SCAN_TILE = (64, 64, 2)
 SCAN_STACK = 4
 _SCAN_LANES = 2**18
@@ -239,7 +229,7 @@ def concurrent_jit(fun: Callable, **jit_kwargs: Any) -> Callable:
 
 def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
     """The (rows, cols, num_warps) a band's kernel runs with on a tensor of ``shape`` unless told:
-    ``TILES[band]``, or for the walking kernels (band 1's scan, bands >= 2) ``SCAN_TILE`` or
+    ``TILE`` (band 0), or for the walking kernels (band 1's scan, bands >= 2) ``SCAN_TILE`` or
     ``BANDED_TILE`` with fewer rows on small tensors (shorter walks: for the scan, until it has
     ``_SCAN_LANES`` walks times columns; for bands >= 2, ``_BANDED_PROGRAMS`` programs in a
     launch of :func:`launch_group` tensors); for bands >= 2 under :func:`concurrent_launches`,
@@ -254,7 +244,7 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
             tensors * pl.cdiv(num_cols, cols) * pl.cdiv(num_rows, rows) < _BANDED_PROGRAMS
         ):
             rows //= 2
-    elif band == 1 and BAND1_KERNEL == "scan":
+    elif band == 1:
         rows, cols, num_warps = SCAN_TILE
         while rows > _SCAN_MIN_WALK * scan_stack(rows) and (
             num_cols * pl.cdiv(num_rows, rows // scan_stack(rows)) < _SCAN_LANES
@@ -263,7 +253,7 @@ def default_tile(band: int, shape: tuple[int, ...]) -> tuple[int, int, int]:
             # Half as many lanes on twice as many warps: the threads stay (down to one lane each).
             num_warps = min(2 * num_warps, max(num_warps, scan_stack(rows) * cols // 32))
     else:
-        return TILES[band]
+        return TILE
     return rows, cols, num_warps
 
 
@@ -290,49 +280,59 @@ def scan_stack(rows: int) -> int:
     return min(SCAN_STACK, rows)
 
 
+def local_shape(layout: ChainLayout) -> tuple[int, ...]:
+    """The shape of one shard of a tensor of ``layout`` (the whole tensor when unsharded)."""
+    return tuple(n // k for n, k in zip(layout.shape, layout.shards, strict=True))
+
+
 def supported(layout: ChainLayout, band: int) -> bool:
-    """Whether a kernel computes this tensor's step: whole on the device (mesh axes of size 1 are
-    fine: a one-device mesh), int32-indexable (its ``band`` off-diagonals too); for bands >= 2 up
-    to ``MAX_KERNEL_BAND``, at least 2-D with ``2 band`` rows along axis 0 (a walk's rows beyond
-    the view's top or bottom wrap into one neighbouring column)."""
-    shape = layout.shape
+    """Whether a kernel computes this tensor's step on each device's block (:func:`local_shape`):
+    int32-indexable (its ``band`` off-diagonals too); for bands >= 2 up to ``MAX_KERNEL_BAND``.
+    The block needs as many rows along axis 0 as the step reads beyond it (``chain.halo_width``:
+    one for band 1, ``2 band - 1`` for bands >= 2), so its edges come from its chain neighbours'
+    blocks (:func:`kernel_edges`); thinner shards take the XLA path."""
+    shape = local_shape(layout)
     size = math.prod(shape)
-    if not all(n == 1 for n in layout.shards) or not 0 < max(band, 1) * size <= _MAX_SIZE:
+    if not 0 < max(band, 1) * size <= _MAX_SIZE or band > MAX_KERNEL_BAND:
         return False
-    if band > MAX_KERNEL_BAND:
-        return False
-    return band <= 1 or (len(shape) >= 2 and shape[0] >= 2 * band)
+    return shape[0] >= max(halo_width(band))
 
 
-def chain_neighbour(f: jax.Array, shape: tuple[int, ...], step: int) -> tuple[jax.Array, jax.Array]:
-    """Row-major offset of the chain successor (``step=1``) or predecessor (``-1``) of offset ``f``.
+def kernel_edges(
+    g: jax.Array, m: jax.Array, d: jax.Array, e: jax.Array, layout: ChainLayout
+) -> Program:
+    """An exchange program returning the ``edges`` input of a band-``b`` step kernel on the local
+    block of a tensor of ``layout``: the chain neighbours beyond the view's first and last rows
+    (``chain.edges``, ``chain.halo_width``: ``b`` rows above, ``2b - 1`` below, one each for band
+    1) of ``g``, ``m``, ``d`` and ``e``'s ``b`` off-diagonals, in ``d``'s dtype (the kernels'
+    arithmetic), flat as ``(3 + b, 3b - 1, C)``: the rows above, then those below, of array ``0``
+    (``g``), ``1`` (``m``), ``2`` (``d``) and ``3 + k`` (``e[k]``) of the view (:func:`tile_view`).
 
-    In Fortran order the successor of ``(i_0, i_1, ...)`` increments the first index ``i_p`` that
-    is below its maximum and resets the earlier ones (all at their maximum) to 0: the offset moves
-    by ``stride_p - sum_{q<p} (n_q - 1) stride_q``. The predecessor mirrors it. Returns
-    ``(offset, exists)``; ``exists`` is False at the chain's last (first) element.
+    For a tensor whole on the device these are a column's neighbours at the wraps between columns
+    (zero at the chain's ends); for a shard, the neighbouring shards' rows, exchanged with those
+    of every other tensor (``chain.run`` of ``chain.parallel`` programs).
     """
-    strides = [math.prod(shape[q + 1 :]) for q in range(len(shape))]
-    out, found = jnp.zeros_like(f), jnp.zeros(f.shape, bool)
-    wrapped = 0  # sum over the earlier axes of (n_q - 1) stride_q
-    for n, stride in zip(shape, strides, strict=True):
-        index = (f // stride) % n
-        movable = index < n - 1 if step > 0 else index > 0
-        target = f + stride - wrapped if step > 0 else f - stride + wrapped
-        out = jnp.where(movable & ~found, target, out)
-        found = found | movable
-        wrapped += (n - 1) * stride
-    return out, found
+    band = e.shape[0]
+    before, after = halo_width(band)
+    compute = d.dtype
+    arrays = [x.astype(compute)[None] for x in (g, m, d)] + [e.astype(compute)]
+    pieces = yield from parallel([chain_edges(x, layout, before, after) for x in arrays])
+    columns = math.prod(d.shape[1:])
+    packed = [
+        jnp.concatenate([pre, post], axis=1).reshape(len(x), before + after, columns)
+        for x, (pre, post) in zip(arrays, pieces, strict=True)
+    ]
+    return jnp.concatenate(packed).reshape(-1)
 
 
 def tile_view(shape: tuple[int, ...]) -> tuple[int, int]:
-    """The 2-D row-major view ``(R, C)`` the kernels tile: axis 0 by the rest (``(1, n)`` for 1-D).
+    """The 2-D row-major view ``(R, C)`` the kernels tile: axis 0 by the rest (``(n, 1)`` for 1-D).
 
     The chain runs down each column of the view (``+-C`` in memory) and wraps from the bottom of
-    one column to the top of the next column in Fortran order of the trailing axes.
+    one column to the top of the next column in Fortran order of the trailing axes: the kernels
+    read those wrapped neighbours, like every neighbour beyond the view's first and last rows,
+    from their ``edges`` input (:func:`kernel_edges`).
     """
-    if len(shape) == 1:
-        return 1, shape[0]
     return shape[0], math.prod(shape[1:])
 
 
@@ -473,29 +473,21 @@ def _halo_call(
     return jax.jit(gather)
 
 
-def _across_chunks(i, c, shape: tuple[int, ...], rows: int, step: int) -> tuple:
+def _across_chunks(i, c, num_rows: int, num_cols: int, rows: int, step: int) -> tuple:
     """The chain neighbours of row chunk ``i``'s first row (``step=-1``, above) or last row
-    (``step=1``, below) in columns ``c``: ``(offset, exists, halo)``.
+    (``step=1``, below) in columns ``c``: ``(offset, halo, edge)``.
 
-    ``offset`` is the flat offset of the neighbour: the previous / next chunk's edge row or, at
-    the tensor's top and bottom, the wrap into the previous / next column in Fortran order
-    (:func:`chain_neighbour`, on ``c`` alone). That row is another chunk's last (above) or first
-    (below) row; ``halo`` is its place in the halo rows (:class:`Halo`, relative to the array's
-    start), which hold the state as it was before this step.
+    Inside the view the neighbour is the previous / next chunk's edge row: ``offset`` is its flat
+    offset and ``halo`` its place in the halo rows (:class:`Halo`, relative to the array's start),
+    which hold the state as it was before this step. At the view's top and bottom (``edge``) it
+    is row 0 (above) or 1 (below) of the band-1 ``edges`` input (:func:`kernel_edges`).
     """
-    num_rows, num_cols = tile_view(shape)
     first, last = _chunk_rows(i, rows, num_rows)
-    in_cols = c < num_cols
-    if step < 0:
-        wrap, has_wrap = chain_neighbour(c, shape, -1)
-        offset = jnp.where(i == 0, wrap, (first - 1) * num_cols + c)
-        exists = in_cols & ((i > 0) | has_wrap)
-    else:
-        wrap, has_wrap = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)
-        offset = jnp.where(last == num_rows - 1, wrap, (last + 1) * num_cols + c)
-        exists = in_cols & ((last < num_rows - 1) | has_wrap)
-    slot = 2 * (offset // num_cols // rows) + (1 if step < 0 else 0)
-    return offset, exists, slot * num_cols + offset % num_cols
+    row = first - 1 if step < 0 else last + 1
+    edge = i == 0 if step < 0 else last == num_rows - 1
+    row = jnp.clip(row, 0, num_rows - 1)
+    slot = 2 * (row // rows) + (1 if step < 0 else 0)
+    return row * num_cols + c, slot * num_cols + c, edge
 
 
 class Apply(NamedTuple):
@@ -580,6 +572,7 @@ def _scan_kernel(
     halo_d,
     halo_e,
     starts_ref,
+    edge_ref,
     *refs,
     shape,
     graft,
@@ -600,7 +593,8 @@ def _scan_kernel(
     ``pointwise.tridiagonal_step``'s float operations. A walk needs the pre-step state of the row
     above its first and below its last: at the block's top and bottom, the neighbouring blocks'
     rows, from the halo copies; between two walks of the block, each other's edge rows, which
-    every lane reads before a barrier and no lane writes before it. So the halo copies are ``2 /
+    every lane reads before a barrier and no lane writes before it; at the view's top and bottom,
+    the ``edges`` input (:func:`kernel_edges`). So the halo copies are ``2 /
     rows`` of the state while each walk stays short (the chain is serial: a lane's walk of ``w``
     rows waits on about ``w`` row loads, and on the LM set's 1M-element tensors walks of 8 rows
     took 14% less time than walks of 16). Rows up to ``r + ahead + 1`` are loaded while row ``r``
@@ -625,8 +619,8 @@ def _scan_kernel(
     last = jnp.minimum(first + rows // stack - 1, block_last)
     walking = in_cols & (first <= last)
     top, bottom = first == block_first, last == block_last
-    above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
-    below, below_ok, halo_below = _across_chunks(i, c, shape, rows, 1)
+    above, halo_above, edge_above = _across_chunks(i, c, num_rows, num_cols, rows, -1)
+    below, halo_below, edge_below = _across_chunks(i, c, num_rows, num_cols, rows, 1)
     m0, d0, e0 = (starts_ref[k] for k in range(3))
 
     def read(ref, at, mask):
@@ -640,17 +634,24 @@ def _scan_kernel(
         p = None if p_ref is None else read(p_ref, at, mask)
         return raw, read(e_ref, at, mask), p
 
-    def neighbour(r, outer, at, halo, exists) -> Callable:
+    def neighbour(r, outer, at, halo, edge, slot) -> Callable:
         """A reader of row ``r`` next to each walk: where ``outer`` (the block's edge) the chain
-        neighbour at offset ``at`` (zeros unless ``exists``), the state from its halo copy (at
-        ``halo``; ``g`` is read-only: its rows are their own halo); elsewhere the block's row
-        ``r``."""
-        inner, outer = walking & ~outer, walking & outer & exists
+        neighbour at offset ``at``, the state from its halo copy (at ``halo``; ``g`` is
+        read-only: its rows are their own halo), or beyond the view (``edge``) row ``slot`` of
+        the ``edges`` input; elsewhere the block's row ``r``."""
+        inner, outer = walking & ~outer, walking & outer
+        beyond, within = outer & edge, outer & ~edge
         own = r * num_cols + c
         at, halo = (jnp.broadcast_to(x, own.shape) for x in (at, halo))
 
-        def value(ref, halo_ref=None, start=0):
-            far = read(ref, at, outer) if halo_ref is None else read(halo_ref, start + halo, outer)
+        def value(k, ref, halo_ref=None, start=0):
+            """Array ``k`` of the edges (0 ``g``, 1 ``m``, 2 ``d``, 3 ``e``) read from ``ref``."""
+            if halo_ref is None:
+                far = read(ref, at, within)
+            else:
+                far = read(halo_ref, start + halo, within)
+            edge_at = jnp.broadcast_to((2 * k + slot) * num_cols + c, own.shape)
+            far = jnp.where(beyond, read(edge_ref, edge_at, beyond), far)
             return jnp.where(inner, read(ref, own, inner), far)
 
         return value
@@ -658,11 +659,13 @@ def _scan_kernel(
     def vertex(raw):
         return pointwise.vertex(raw, corrections, hyper)
 
-    up = neighbour(first - 1, top, above, halo_above, above_ok)
-    down = neighbour(last + 1, bottom, below, halo_below, below_ok)
-    raw_above = pointwise.Raw(up(g_ref), up(m_ref, halo_m, m0), up(d_ref, halo_d, d0))
-    e_above = up(e_ref, halo_e, e0)
-    below_raw = pointwise.Raw(down(g_ref), down(m_ref, halo_m, m0), down(d_ref, halo_d, d0))
+    up = neighbour(first - 1, top, above, halo_above, edge_above, 0)
+    down = neighbour(last + 1, bottom, below, halo_below, edge_below, 1)
+    raw_above = pointwise.Raw(up(0, g_ref), up(1, m_ref, halo_m, m0), up(2, d_ref, halo_d, d0))
+    e_above = up(3, e_ref, halo_e, e0)
+    below_raw = pointwise.Raw(
+        down(0, g_ref), down(1, m_ref, halo_m, m0), down(2, d_ref, halo_d, d0)
+    )
     raw_first, e_first, p_first = row(first)
     queue = tuple(row(first + k) for k in range(1, ahead + 1))
     if not interpret:
@@ -723,6 +726,7 @@ def _band_scan_kernel(
     halo_d,
     halo_e,
     starts_ref,
+    edge_ref,
     *refs,
     shape,
     band,
@@ -736,7 +740,8 @@ def _band_scan_kernel(
     """Band ``b >= 2`` (Theorem 2, Algorithm 3) walking down a ``rows x cols`` block of the view.
 
     Each lane owns a column and walks the chain from ``b`` rows above its chunk to ``2b - 1``
-    rows below it (the rows beyond the tensor's top and bottom are the wrapped chain neighbours).
+    rows below it (the rows beyond the view's top and bottom come from the ``edges`` input,
+    :func:`kernel_edges`).
     On reading row ``t`` it computes, with ``solve``'s and ``pointwise``'s float operations:
 
     * ``t``'s moments and :func:`pointwise.vertex`, and the new statistics and correlations
@@ -772,30 +777,26 @@ def _band_scan_kernel(
     hyper, corrections = _numbers(scalars_ref, graft)
     compute = d_ref.dtype
     first, last = _chunk_rows(i, rows, num_rows)
-    # The chain continues below the view's last row at the next column's first row, and above
-    # its first row at the previous column's last row (Fortran order; ``supported`` keeps
-    # ``num_rows >= 2 b``, so a walk wraps into one neighbouring column at most).
-    below, has_below = chain_neighbour((num_rows - 1) * num_cols + c, shape, 1)  # in row 0
-    above, has_above = chain_neighbour(c, shape, -1)  # in the last row
-    above_column = above % num_cols
-    span = 3 * b - 1  # halo rows per chunk
+    span = 3 * b - 1  # halo rows per chunk, and the edges' rows (b above, 2b - 1 below)
     halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one sub-array's halo rows
     m0, d0, e0 = (starts_ref[k] for k in range(3))  # each array's first halo element
 
     def locate(t):
-        """The walk's row ``t``: ``(offset, halo, ok)``, its flat offset, that of its copy in the
-        halo rows, and whether the walk reads it: on the chain, within ``b`` rows above the
-        chunk or ``2b - 1`` below it (the rows the chunk's outputs depend on)."""
-        up, down = t < 0, t >= num_rows
-        row = jnp.where(up, t + num_rows, jnp.where(down, t - num_rows, t))
-        column = jnp.where(up, above_column, jnp.where(down, below, c))
-        on_chain = jnp.where(up, has_above, jnp.where(down, has_below, True))
+        """The walk's row ``t``: ``(offset, halo, edge, beyond, ok)``, its flat offset, that of
+        its copy in the halo rows, that of its column in array 0 of the ``edges``, whether it is
+        beyond the view (then only ``edge`` is a place), and whether the walk reads it: within
+        ``b`` rows above the chunk or ``2b - 1`` below it (the rows the chunk's outputs depend
+        on)."""
+        beyond = (t < 0) | (t >= num_rows)
+        row = jnp.clip(t, 0, num_rows - 1)
         chunk = row // rows
         within = row - chunk * rows
         length = jnp.minimum(rows, num_rows - chunk * rows)
         slot = jnp.where(within < 2 * b - 1, within, within - length + span)
-        ok = in_cols & on_chain & (t >= first - b) & (t <= last + 2 * b - 1)
-        return row * num_cols + column, (chunk * span + slot) * num_cols + column, ok
+        edge_row = jnp.where(t < 0, t + b, t - num_rows + b)
+        ok = in_cols & (t >= first - b) & (t <= last + 2 * b - 1)
+        halo = (chunk * span + slot) * num_cols + c
+        return row * num_cols + c, halo, edge_row * num_cols + c, beyond, ok
 
     def read(ref, at, mask):
         return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
@@ -804,13 +805,20 @@ def _band_scan_kernel(
         """Whether row ``t`` is this chunk's (the walk writes its outputs there)."""
         return (t >= first) & (t <= last)
 
-    def read_state(ref, halo_ref, start, k, t):
-        """Row ``t`` of state array ``k`` of ``ref`` (``e``'s ``k``-th off-diagonal): the chunk's
-        own rows as stored, the others' from their halo copies."""
-        offset, halo, ok = locate(t)
+    def from_edges(index, edge, beyond, ok):
+        """Array ``index`` of the ``edges`` (0 ``g``, 1 ``m``, 2 ``d``, ``3 + k`` ``e``'s ``k``-th
+        off-diagonal) at ``edge``."""
+        return read(edge_ref, index * span * num_cols + edge, ok & beyond)
+
+    def read_state(ref, halo_ref, start, index, k, t):
+        """Row ``t`` of sub-array ``k`` of ``ref`` (``e``'s ``k``-th off-diagonal; array
+        ``index`` of the edges): the chunk's own rows as stored, the others' from their halo
+        copies or, beyond the view, from the edges."""
+        offset, halo, edge, beyond, ok = locate(t)
         stored = read(ref, k * size + offset, ok & own(t))
-        at = start + k * halo_size + halo
-        return jnp.where(own(t), stored, read(halo_ref, at, ok & ~own(t)))
+        copied = read(halo_ref, start + k * halo_size + halo, ok & ~own(t) & ~beyond)
+        far = jnp.where(beyond, from_edges(index, edge, beyond, ok), copied)
+        return jnp.where(own(t), stored, far)
 
     def write(ref, at, x, mask):
         plgpu.store(ref.at[at], x.astype(ref.dtype), mask=mask)
@@ -824,13 +832,14 @@ def _band_scan_kernel(
     def load(t) -> tuple[pointwise.Raw, tuple]:
         """Row ``t``'s raw values and the stored statistics of its edges from ``t - 1``, ...,
         ``t - b`` (zeros off the chain)."""
-        at, _, ok = locate(t)
+        at, _, edge, beyond, ok = locate(t)
+        g = jnp.where(beyond, from_edges(0, edge, beyond, ok), read(g_ref, at, ok & ~beyond))
         raw = pointwise.Raw(
-            read(g_ref, at, ok),
-            read_state(m_ref, halo_m, m0, 0, t),
-            read_state(d_ref, halo_d, d0, 0, t),
+            g,
+            read_state(m_ref, halo_m, m0, 1, 0, t),
+            read_state(d_ref, halo_d, d0, 2, 0, t),
         )
-        return raw, tuple(read_state(e_ref, halo_e, e0, k, t - 1 - k) for k in range(b))
+        return raw, tuple(read_state(e_ref, halo_e, e0, 3 + k, k, t - 1 - k) for k in range(b))
 
     def load_own(t) -> tuple[pointwise.Raw, tuple]:
         """:func:`load` of a row ``t`` with ``t - b`` in the chunk: every value is the chunk's
@@ -928,82 +937,32 @@ def _band_scan_kernel(
     _write_parts(parts_ref, i, j, pairs)
 
 
-def _step_kernel(
-    scalars_ref, *refs, shape, band, graft, rows, cols, interpret, apply, decayed, program
-):
-    """One ``rows x cols`` tile of the view: the step kernel of the module docstring (with
-    ``apply``, reading ``p_ref`` and writing the new parameters in ``u``'s place)."""
-    inputs = (8 if band else 3) + 2 * apply
-    if band:
-        g_ref, m_ref, d_ref, e_ref, *halo_refs, starts_ref = refs[:8]
-        out_ref, m_out, d_out, e_out, parts_ref = refs[inputs:]
-    else:
-        g_ref, m_ref, d_ref = refs[:3]
-        out_ref, m_out, d_out, parts_ref = refs[inputs:]
-    p_ref, ratio_ref = refs[inputs - 2 : inputs] if apply else (None, None)
+def _diagonal_kernel(scalars_ref, *refs, shape, graft, rows, cols, apply, decayed, program):
+    """One ``rows x cols`` tile of the view: the diagonal step (band 0; with ``apply``, reading
+    ``p_ref`` and writing the new parameters in ``u``'s place)."""
+    inputs = 3 + 2 * apply
+    g_ref, m_ref, d_ref = refs[:3]
+    out_ref, m_out, d_out, parts_ref = refs[inputs:]
+    p_ref, ratio_ref = refs[3:5] if apply else (None, None)
     num_rows, num_cols = tile_view(shape)
     i, j = program
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
-    in_cols = c < num_cols
-    valid = (r < num_rows) & in_cols
+    valid = (r < num_rows) & (c < num_cols)
     offset = r * num_cols + c
     hyper, corrections = _numbers(scalars_ref, graft)
     compute = d_ref.dtype
 
-    def read(ref, at, mask):
-        return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
-
     def here(ref):
-        return read(ref, offset, valid)
+        return plgpu.load(ref.at[offset], mask=valid, other=0).astype(compute)
 
     raw = pointwise.Raw(here(g_ref), here(m_ref), here(d_ref))
     p = None if p_ref is None else here(p_ref)
-    outputs = [(m_out, "m"), (d_out, "d")]
-    if band == 0:
-        step = pointwise.diagonal_step(raw, corrections, hyper)
-    else:
-        first, last = _chunk_rows(i, rows, num_rows)
-        above, above_ok, halo_above = _across_chunks(i, c, shape, rows, -1)
-        below, below_ok, halo_below = _across_chunks(i, c, shape, rows, 1)
-
-        def up(ref, halo_ref, at):
-            """``ref`` one row up; at the chunk's first row from ``halo_ref[at]``."""
-            inner = read(ref, offset - num_cols, valid & (r != first))
-            return jnp.where(r == first, read(halo_ref, at, above_ok), inner)
-
-        def down(ref, halo_ref, at):
-            """``ref`` one row down; at the chunk's last row from ``halo_ref[at]``."""
-            inner = read(ref, offset + num_cols, valid & (r != last))
-            return jnp.where(r == last, read(halo_ref, at, below_ok), inner)
-
-        # Where each state array's halo rows start in its buffer: an input, so one compiled
-        # kernel serves every tensor of a shape. g is read-only: its own rows are its halo.
-        halo_m, halo_d, halo_e = halo_refs
-        m0, d0, e0 = (starts_ref[k] for k in range(3))
-        at = {
-            -1: pointwise.Raw(
-                up(g_ref, g_ref, above),
-                up(m_ref, halo_m, m0 + halo_above),
-                up(d_ref, halo_d, d0 + halo_above),
-            ),
-            0: raw,
-            1: pointwise.Raw(
-                down(g_ref, g_ref, below),
-                down(m_ref, halo_m, m0 + halo_below),
-                down(d_ref, halo_d, d0 + halo_below),
-            ),
-        }
-        e_here, e_up = here(e_ref), up(e_ref, halo_e, e0 + halo_above)
-        if not interpret:
-            # Every thread has read its tile's rows before any thread overwrites them.
-            plgpu.debug_barrier()
-        step = pointwise.tridiagonal_step(at, e_here, e_up, corrections, hyper)
-        outputs.append((e_out, "e"))
+    step = pointwise.diagonal_step(raw, corrections, hyper)
     out = _output(scalars_ref, ratio_ref, step.u, p, decayed)
     plgpu.store(out_ref.at[offset], out.astype(out_ref.dtype), mask=valid)
-    for ref, name in outputs:
-        plgpu.store(ref.at[offset], getattr(step, name).astype(ref.dtype), mask=valid)
+    for ref, x in ((m_out, step.m), (d_out, step.d)):
+        plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid)
     ones = jnp.ones(valid.shape, compute)
     pairs = [(jnp.where(valid, jnp.abs(x), 0), ones) for x in (step.adam, step.u)]
     _write_parts(parts_ref, i, j, pairs)
@@ -1020,6 +979,7 @@ def leaf_update(
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
     halos: tuple[Halo, Halo, Halo] | None = None,
+    edges: jax.Array | None = None,
     apply: Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's diag (``e`` is ``optax.MaskedNode``), tridiag or banded (``e`` of ``band >=
@@ -1028,8 +988,9 @@ def leaf_update(
     ``m``, ``d`` and ``e`` are updated in place (their buffers are the outputs'). ``tile`` is
     ``(rows, cols, num_warps)``: a program handles ``rows x cols`` (powers of 2) of the view
     (:func:`tile_view`) with ``num_warps`` warps; default :func:`default_tile`; a tuning knob
-    (``benchmarks/kernel_speed.py``, ``benchmarks/profile_update.py``). Band 1 runs
-    ``BAND1_KERNEL``, bands >= 2 :func:`_band_scan_kernel`. Returns ``(u, m, d, e, parts)``:
+    (``benchmarks/kernel_speed.py``, ``benchmarks/profile_update.py``). Band 0 runs
+    :func:`_diagonal_kernel`, band 1 :func:`_scan_kernel`, bands >= 2 :func:`_band_scan_kernel`.
+    Returns ``(u, m, d, e, parts)``:
     the ungrafted direction in ``d``'s dtype, the new state in the stored dtypes, and per tile
     the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
     tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u`` (``None`` unless ``hyper.graft ==
@@ -1038,13 +999,15 @@ def leaf_update(
 
     Bands >= 1 read the halo rows of ``(m, d, e)`` (:func:`band_halo_rows`) from ``halos``
     (:func:`gather_halos`, which can gather those of a model's tensors in a few launches);
-    default: gathered here.
+    default: gathered here. They read the chain neighbours beyond the view's first and last rows
+    from ``edges`` (:func:`kernel_edges`: a shard's come from the other shards); default: those of
+    a tensor whole on the device.
 
     With ``apply`` (:class:`Apply`) the kernel also reads the parameters and writes them in place,
     updated with ``u``, and returns them in ``u``'s place: 36 B/param for fp32 tridiag, where
     writing ``u`` for XLA to apply moves 44.
     """
-    kwargs = dict(interpret=interpret, tile=tile, halos=[halos], applies=[apply])
+    kwargs = dict(interpret=interpret, tile=tile, halos=[halos], edges=[edges], applies=[apply])
     (step,) = group_update([g], [m], [d], [e], corrections, hyper, **kwargs)
     return step
 
@@ -1060,6 +1023,7 @@ def group_update(
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
     halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
+    edges: list[jax.Array | None] | None = None,
     applies: list[Apply | None] | None = None,
 ) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
     """:func:`leaf_update` of several tensors of one :func:`launch_key` (shape, dtypes, and all
@@ -1070,15 +1034,16 @@ def group_update(
     (:func:`launch_group`). Returns :func:`leaf_update`'s tuple per tensor, in order."""
     count = len(gs)
     halos = halos or [None] * count
+    edges = edges or [None] * count
     applies = applies or [None] * count
     keys = set(map(launch_key, gs, ms, ds, es, applies))
     if len(keys) != 1:
         raise ValueError(f"group_update: tensors of different launch keys {sorted(map(str, keys))}")
     ((shape, band, dtypes, apply_config),) = keys
     rows, cols, num_warps = tile or default_tile(band, shape)
-    kernel = "band" if band >= 2 else "scan" if band == 1 and BAND1_KERNEL == "scan" else "tile"
+    kernel = "band" if band >= 2 else "scan" if band == 1 else "diagonal"
     stack = scan_stack(rows) if kernel == "scan" else 1
-    if kernel != "tile" and (rows % stack or stack * cols < 32 * num_warps):
+    if kernel != "diagonal" and (rows % stack or stack * cols < 32 * num_warps):
         raise ValueError(
             f"{kernel} kernel: {rows} rows in {stack} walks of {cols} columns for 32 x "
             f"{num_warps} lanes (one each)"
@@ -1097,7 +1062,7 @@ def group_update(
             "elements exceed int32 offsets; use longer row chunks (tile)"
         )
     inputs = [scalars]
-    for g, m, d, e, halo, applied in zip(gs, ms, ds, es, halos, applies, strict=True):
+    for g, m, d, e, halo, edge, applied in zip(gs, ms, ds, es, halos, edges, applies, strict=True):
         state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
         extra = []
         if band:
@@ -1108,8 +1073,11 @@ def group_update(
                 raise ValueError(
                     f"halos gathered in chunks of {halo[0].rows} rows, tile has {rows}"
                 )
+            if edge is None:
+                edge = run(kernel_edges(g, m, d, e, ChainLayout.unsharded(shape)))
             extra = [h.buffer for h in halo]
             extra.append(jnp.array([h.index * halo_size for h in halo], jnp.int32))
+            extra.append(edge)
         params = []
         if applied is not None:
             params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]
@@ -1155,7 +1123,7 @@ def _step_call(
     count=1,
     contract=False,
 ) -> Callable:
-    """:func:`leaf_update`'s ``kernel`` (``"tile"``, ``"scan"`` with ``walks = (stack, ahead)``:
+    """:func:`leaf_update`'s ``kernel`` (``"diagonal"``, ``"scan"`` with ``walks = (stack, ahead)``:
     ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
     for one static configuration (with the fused apply when ``apply`` is the parameters' ``(dtype,
     decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
@@ -1193,8 +1161,7 @@ def _step_call(
     elif kernel == "band":
         body, name, static["band"] = _band_scan_kernel, f"sonew_band{band}_scan", band
     else:
-        body, name = _step_kernel, f"sonew_band{band}_step"
-        static.update(band=band, interpret=interpret)
+        body, name = _diagonal_kernel, "sonew_diagonal"
     step = pl.pallas_call(
         _bind(
             _per_tensor,

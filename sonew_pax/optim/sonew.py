@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 from sonew_pax.optim import fused, pointwise, sharding, solve
-from sonew_pax.optim.chain import ChainLayout, merge_norm_parts, norms, shift, shift_many
+from sonew_pax.optim.chain import ChainLayout, merge_pairs, norms, parallel, run, shift, shift_many
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
 from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
 from sonew_pax.optim.transform import GradientTransformationWithApply
@@ -256,13 +256,20 @@ def _leaf_step(
 
 
 def _leaf_steps(
-    leaves: list[list], halos: list, applies: list, corrections, hyper: Hyper, kernels: bool
+    leaves: list[list],
+    halos: list,
+    edges: list,
+    applies: list,
+    corrections,
+    hyper: Hyper,
+    kernels: bool,
 ) -> list[tuple]:
     """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e``, lagged
     ratios and layouts, each a list over the tensors): with ``kernels``
-    (:func:`_kernels_enabled`) the steps of tensors whole on their device as Pallas kernels
-    (bands >= 1 with their state's ``halos``, :func:`_halos`; bands >= 2 where
-    ``fused.supported``; with ``applies[k]``, ``fused.Apply``, writing the parameters in ``u``'s
+    (:func:`_kernels_enabled`) the steps of the tensors (or shards) where ``fused.supported`` as
+    Pallas kernels (bands >= 1 with their state's ``halos``, :func:`_halos`, and their chain
+    neighbours beyond the block, ``edges``, :func:`_edges`; with ``applies[k]``,
+    ``fused.Apply``, writing the parameters in ``u``'s
     place), where the tensors of one ``fused.launch_key`` share launches
     (``fused.group_update``, ``fused.launch_group`` tensors each); :func:`_leaf_step` on XLA
     for the others."""
@@ -284,6 +291,7 @@ def _leaf_steps(
                 hyper,
                 interpret=_interpret(),
                 halos=[halos[k] for k in part],
+                edges=[edges[k] for k in part],
                 applies=[applies[k] for k in part],
             )
             for k, result in zip(part, results, strict=True):
@@ -329,7 +337,7 @@ def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
     for band in sorted({b for b, flag in zip(bands, on, strict=True) if flag}):
         members = [k for k, flag in enumerate(on) if flag and bands[k] == band]
         arrays = [x for k in members for x in (m[k], d[k], e[k])]
-        shapes = [layouts[k].shape for k in members for _ in range(3)]
+        shapes = [fused.local_shape(layouts[k]) for k in members for _ in range(3)]
         gathered = iter(
             fused.gather_halos(arrays, band=band, shapes=shapes, interpret=_interpret())
         )
@@ -338,35 +346,63 @@ def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
     return halos
 
 
+def _edges(leaves: list[list], hyper: Hyper, kernels: bool) -> list:
+    """The ``edges`` input (``fused.kernel_edges``) of every band >= 1 kernel tensor, ``None`` for
+    the others. Sharded, the slabs of all tensors that go the same way travel together: one
+    collective-permute per mesh axes, direction and round (``chain.run``), whatever the number
+    of tensors."""
+    grads, m, d, e, _, layouts = leaves
+    members = [
+        k
+        for k, (ei, lay) in enumerate(zip(e, layouts, strict=True))
+        if _band(ei) >= 1 and _on_kernel(kernels, lay, _band(ei), hyper)
+    ]
+    programs = [fused.kernel_edges(grads[k], m[k], d[k], e[k], layouts[k]) for k in members]
+    edges: list = [None] * len(grads)
+    for k, x in zip(members, run(parallel(programs)), strict=True):
+        edges[k] = x
+    return edges
+
+
 # Tensors whose graft ratios one reduction computes. The ratios are then written to one scalar
 # buffer each (graft_lag's state); XLA writes up to this many in one kernel, more in one copy each
 # (96 copies for the LM set's 96 same-shaped tensors: 0.09 ms on an H100).
 _GRAFT_GROUP = 32
 
 
-def _graft_ratios(grafts: list[jax.Array | None]) -> list[jax.Array | None]:
+def _graft_ratios(grafts: list[jax.Array | None], layouts: list) -> list[jax.Array | None]:
     """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``.
 
-    The kernels' per-tile norm pairs are merged (``chain.merge_norm_parts``) for the tensors of
-    one shape together (up to ``_GRAFT_GROUP`` at a time), over their stacked pairs: a model's
-    update launches a few reductions instead of several small ones per tensor. (The XLA path's
-    ratios are already reduced: its norm reduction fuses with the step.)
+    The kernels' per-tile norm pairs are merged (``chain.merge_pairs``) for the tensors of one
+    shape together (up to ``_GRAFT_GROUP`` at a time), over their stacked pairs: a model's update
+    launches a few reductions instead of several small ones per tensor. A sharded tensor's pair
+    is then merged across its shards, with those of every tensor sharded over the same mesh axes:
+    one ``pmax`` and one ``psum`` per set of mesh axes. (The XLA path's ratios are already
+    reduced: its norm reduction fuses with the step.)
     """
-    groups: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for k, graft in enumerate(grafts):
         if graft is not None and graft.ndim == 2:
-            groups.setdefault(graft.shape, []).append(k)
+            groups.setdefault((graft.shape, layouts[k].mesh_axes), []).append(k)
     ratios = list(grafts)
     over_tiles = (partial(jnp.max, axis=2, keepdims=True), partial(jnp.sum, axis=2, keepdims=True))
-    chunks = [
-        members[start : start + _GRAFT_GROUP]
-        for members in groups.values()
-        for start in range(0, len(members), _GRAFT_GROUP)
-    ]
-    for members in chunks:
-        stacked = jnp.stack([grafts[k] for k in members])  # (tensors, 4, tiles)
-        pair = merge_norm_parts(stacked[:, 0::2], stacked[:, 1::2], *over_tiles)[..., 0]
-        ratio = _graft_ratio((pair[:, 0], pair[:, 1]))
+    across: dict[tuple[str, ...], list[tuple[list[int], jax.Array, jax.Array]]] = {}
+    for (_, axes), members in groups.items():
+        for start in range(0, len(members), _GRAFT_GROUP):
+            part = members[start : start + _GRAFT_GROUP]
+            stacked = jnp.stack([grafts[k] for k in part])  # (tensors, 4, tiles)
+            top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], *over_tiles)
+            top, total = top[..., 0], total[..., 0]
+            across.setdefault(axes, []).append((part, top, total))
+    for axes, parts in across.items():
+        members = [k for part, _, _ in parts for k in part]
+        top, total = (jnp.concatenate(x) for x in zip(*((t, s) for _, t, s in parts), strict=True))
+        if axes:
+            top, total = merge_pairs(
+                top, total, lambda x: jax.lax.pmax(x, axes), lambda x: jax.lax.psum(x, axes)
+            )
+        norm = top * jnp.sqrt(total)  # (tensors, 2): Adam's direction's and u's
+        ratio = _graft_ratio((norm[:, 0], norm[:, 1]))
         for i, k in enumerate(members):
             ratios[k] = ratio[i]
     return ratios
@@ -616,12 +652,13 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
             else ([None] * n, [None] * n)
         )
         halos = _halos(leaves[1], leaves[2], leaves[3], leaves[5], hyper, kernels)
+        edges = _edges(leaves, hyper, kernels)
         fused_apply = [
             _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
             for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
         ]
-        steps = _leaf_steps(leaves, halos, fused_apply, corrections, hyper, kernels)
-        ratios = _graft_ratios([step[4] for step in steps])
+        steps = _leaf_steps(leaves, halos, edges, fused_apply, corrections, hyper, kernels)
+        ratios = _graft_ratios([step[4] for step in steps], leaves[5])
         out: list[list[Any]] = [[] for _ in range(5)]
         for g, step, fresh, lagged, p, flag, leaf_apply in zip(
             leaves[0], steps, ratios, leaves[4], params, decayed, fused_apply, strict=True
