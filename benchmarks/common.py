@@ -292,3 +292,16 @@ def time_pipelined(step: Callable, carry, iters: int) -> tuple[float, object]:
         carry = step(carry)
     carry = jax.block_until_ready(carry)
     return 1e3 * (time.perf_counter() - start) / iters, carry
+
+
+def launch_counts(hlo_text: str) -> dict[str, int]:
+    """Kernel launches in a compiled program's entry computation: fusions, custom calls (such as
+    the Pallas kernels) and copies, and their sum ``kernels`` (each launch costs a few
+    microseconds, and a copy a pass over its bytes)."""
+    entry = hlo_text[hlo_text.index("ENTRY") :]
+    counts = {
+        kind: len(re.findall(rf"^\s*%\S+ = .*? {op}\(", entry, re.MULTILINE))
+        for kind, op in (("fusions", "fusion"), ("custom_calls", "custom-call"), ("copies", "copy"))
+    }
+    counts["kernels"] = sum(counts.values())
+    return counts

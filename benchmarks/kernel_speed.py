@@ -22,7 +22,6 @@ Usage: ``python benchmarks/kernel_speed.py [--shape 4096,4096] [--iters 30]``.
 
 import argparse
 import math
-import re
 import sys
 from pathlib import Path
 
@@ -85,12 +84,7 @@ def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{name}.txt").write_text(text)
-    entry = text[text.index("ENTRY") :]
-    counts = {
-        kind: len(re.findall(rf"^\s*%\S+ = .*? {op}\(", entry, re.MULTILINE))
-        for kind, op in (("fusions", "fusion"), ("custom_calls", "custom-call"), ("copies", "copy"))
-    }
-    counts["kernels"] = sum(counts.values())
+    counts = common.launch_counts(text)
     return {"optimizer": name, **counts}
 
 

@@ -14,7 +14,8 @@ For each band the one-device update (device 0, no mesh) and each sharded variant
 same parameters and state; after ``--check_steps`` steps every parameter and state array is
 compared (``max_rel_diff`` = max over arrays of max|sharded - single| / max|single|). Then both are
 timed (``--warmup`` untimed steps, median of ``--iters``). Scaling efficiency = t1 / (N * tN): 1 is
-ideal N-fold scaling. The compiled sharded update's collectives are counted from its HLO text.
+ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
+(``common.launch_counts``) are counted from its HLO text.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json``)
 ``{"device", "date", "params", "devices", "config", "rows": [{"band", "variant", "mesh", "specs",
@@ -151,7 +152,8 @@ def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, d
     median, _, _ = common.time_steps(
         lambda c: compiled(*c, grads), copy_tree(after), args.warmup, args.iters
     )
-    return after, median, count_collectives(compiled.as_text())
+    text = compiled.as_text()
+    return after, median, {**count_collectives(text), **common.launch_counts(text)}
 
 
 def variant_mesh(variant: str, devices: list, data: int) -> tuple[Mesh, str]:

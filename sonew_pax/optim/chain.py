@@ -78,19 +78,31 @@ def edges(x: jax.Array, layout: ChainLayout, before: int, after: int) -> Program
     last row; zero off the chain's ends, as :func:`shift` is.
 
     These are all a step on the block reads from outside it (``before`` and ``after``: the halo
-    widths of :func:`halo_width`). Along a sharded axis 0 they are the neighbouring shards'
-    nearest rows, where the chain wraps from the last row of a column to the first of the next
-    (Fortran order of the other axes) the rows of the next column, itself an exchange where
-    those axes are sharded. Needs ``before`` and ``after`` at most the block's rows (a walk of
-    one hop).
+    widths of :func:`halo_width`). Needs ``before`` and ``after`` at most the block's rows.
     """
-    rows = x.shape[x.ndim - len(layout.shape)]
+    axis = x.ndim - len(layout.shape)
+    rows = x.shape[axis]
     if max(before, after) > rows:
         raise ValueError(f"edges of {before} and {after} rows from a block of {rows} rows")
+    last = lax.slice_in_dim(x, rows - before, rows, axis=axis)
+    return (yield from edges_of(last, lax.slice_in_dim(x, 0, after, axis=axis), layout))
+
+
+def edges_of(last: jax.Array, first: jax.Array, layout: ChainLayout) -> Program:
+    """:func:`edges` from the block's last and first rows along axis 0 (``last``: as many as
+    ``pre`` has, ``first``: as many as ``post``; both with leading batch axes, so the slabs of
+    many tensors of one layout go through one program).
+
+    Along a sharded axis 0 the edges are the neighbouring shards' nearest rows; where the chain
+    wraps from the last row of a column to the first of the next (Fortran order of the other
+    axes), the rows of the next column, itself an exchange where those axes are sharded.
+    """
+    shards = layout.shards[0]
+    turns = 1 // shards  # one hop along an unsharded axis 0 is a whole turn: the next column
     return (
         yield from parallel([
-            _halo(x, layout, 0, rows, before, -1),
-            _halo(x, layout, 0, rows, after, 1),
+            _rows_from(last, -1, -turns, layout, 0, shards, -1),
+            _rows_from(first, 1, turns, layout, 0, shards, 1),
         ])
     )  # fmt: skip
 
@@ -276,27 +288,6 @@ def _shift_sharded_axis(
         return (yield from piece(0, rows, u))
     first, second = yield from parallel([piece(v, rows, u), piece(0, v, u + 1)])
     return jnp.concatenate([first, second], axis=axis)
-
-
-def _halo(
-    x: jax.Array, layout: ChainLayout, a: int, rows: int, count: int, direction: int
-) -> Program:
-    """The ``count`` slices along axis ``a`` that precede (``direction = -1``) or follow (``1``)
-    the shard's block on the chain: hop ``h`` brings the nearest rows of shard ``s + h direction``,
-    wrapping around the axis with a carry (whole turns ``h // P`` for hops beyond the axis)."""
-    axis = x.ndim - len(layout.shape) + a
-    shards = layout.shards[a]
-    programs = []
-    for hop in range(1, -(-count // rows) + 1):
-        m = min(rows, count - (hop - 1) * rows)
-        start = 0 if direction > 0 else rows - m
-        block = lax.slice_in_dim(x, start, start + m, axis=axis)
-        turns = direction * (hop // shards)
-        programs.append(_rows_from(block, direction * hop, turns, layout, a, shards, direction))
-    pieces = yield from parallel(programs)
-    if not pieces:
-        return lax.slice_in_dim(x, 0, 0, axis=axis)
-    return jnp.concatenate(pieces[::-1] if direction < 0 else pieces, axis=axis)
 
 
 def _fetch_from(y: jax.Array, offset: int, names: MeshAxes, num_shards: int) -> jax.Array:

@@ -95,12 +95,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import fma, pointwise, solve
-from sonew_pax.optim.chain import ChainLayout, Program, halo_width, parallel, run
-from sonew_pax.optim.chain import edges as chain_edges
+from sonew_pax.optim.chain import ChainLayout, Program, edges_of, halo_width, run
 from sonew_pax.optim.fma import madd
 
 # (rows, cols, num_warps) of the diagonal step: the view's rows x cols per program and its warps,
@@ -298,31 +298,52 @@ def supported(layout: ChainLayout, band: int) -> bool:
     return shape[0] >= max(halo_width(band))
 
 
+class Edges(NamedTuple):
+    """Where one tensor's ``edges`` input lives (:func:`kernel_edges`): in a flat ``buffer`` of
+    the edges of several tensors of one layout, ``(tensors, 3 + b, 3b - 1, C)``, as tensor
+    ``index``."""
+
+    buffer: jax.Array
+    index: int
+
+
 def kernel_edges(
-    g: jax.Array, m: jax.Array, d: jax.Array, e: jax.Array, layout: ChainLayout
+    gs: list[jax.Array],
+    ms: list[jax.Array],
+    ds: list[jax.Array],
+    es: list[Any],
+    layout: ChainLayout,
 ) -> Program:
-    """An exchange program returning the ``edges`` input of a band-``b`` step kernel on the local
-    block of a tensor of ``layout``: the chain neighbours beyond the view's first and last rows
-    (``chain.edges``, ``chain.halo_width``: ``b`` rows above, ``2b - 1`` below, one each for band
-    1) of ``g``, ``m``, ``d`` and ``e``'s ``b`` off-diagonals, in ``d``'s dtype (the kernels'
-    arithmetic), flat as ``(3 + b, 3b - 1, C)``: the rows above, then those below, of array ``0``
-    (``g``), ``1`` (``m``), ``2`` (``d``) and ``3 + k`` (``e[k]``) of the view (:func:`tile_view`).
+    """An exchange program returning the :class:`Edges` of band-``b`` step kernels on the local
+    blocks of tensors of one ``layout`` and dtypes: the chain neighbours beyond the view's first
+    and last rows (``chain.edges_of``, ``chain.halo_width``: ``b`` rows above, ``2b - 1`` below,
+    one each for band 1) of ``g``, ``m``, ``d`` and ``e``'s ``b`` off-diagonals, in ``d``'s dtype
+    (the kernels' arithmetic), per tensor as ``(3 + b, 3b - 1, C)``: the rows above, then those
+    below, of array ``0`` (``g``), ``1`` (``m``), ``2`` (``d``) and ``3 + k`` (``e[k]``) of the
+    view (:func:`tile_view`).
 
     For a tensor whole on the device these are a column's neighbours at the wraps between columns
-    (zero at the chain's ends); for a shard, the neighbouring shards' rows, exchanged with those
-    of every other tensor (``chain.run`` of ``chain.parallel`` programs).
+    (zero at the chain's ends); for a shard, the neighbouring shards' rows. The slabs of all the
+    tensors go through one program, stacked: a model's update builds its edges in a few
+    operations per layout, not per tensor, and sharded, they travel with every other layout's
+    (``chain.run`` of ``chain.parallel`` programs).
     """
-    band = e.shape[0]
+    band = es[0].shape[0]
     before, after = halo_width(band)
-    compute = d.dtype
-    arrays = [x.astype(compute)[None] for x in (g, m, d)] + [e.astype(compute)]
-    pieces = yield from parallel([chain_edges(x, layout, before, after) for x in arrays])
-    columns = math.prod(d.shape[1:])
-    packed = [
-        jnp.concatenate([pre, post], axis=1).reshape(len(x), before + after, columns)
-        for x, (pre, post) in zip(arrays, pieces, strict=True)
+    compute = ds[0].dtype
+    rows = ds[0].shape[0]
+    arrays = [
+        y.astype(compute)
+        for g, m, d, e in zip(gs, ms, ds, es, strict=True)
+        for y in (g[None], m[None], d[None], e)
     ]
-    return jnp.concatenate(packed).reshape(-1)
+
+    def rows_of(start: int, stop: int) -> jax.Array:
+        return jnp.concatenate([lax.slice_in_dim(y, start, stop, axis=1) for y in arrays])
+
+    pre, post = yield from edges_of(rows_of(rows - before, rows), rows_of(0, after), layout)
+    buffer = jnp.concatenate([pre, post], axis=1).reshape(-1)
+    return [Edges(buffer, k) for k in range(len(gs))]
 
 
 def tile_view(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -621,7 +642,7 @@ def _scan_kernel(
     top, bottom = first == block_first, last == block_last
     above, halo_above, edge_above = _across_chunks(i, c, num_rows, num_cols, rows, -1)
     below, halo_below, edge_below = _across_chunks(i, c, num_rows, num_cols, rows, 1)
-    m0, d0, e0 = (starts_ref[k] for k in range(3))
+    m0, d0, e0, edge0 = (starts_ref[k] for k in range(4))
 
     def read(ref, at, mask):
         return plgpu.load(ref.at[at], mask=mask, other=0).astype(compute)
@@ -650,7 +671,7 @@ def _scan_kernel(
                 far = read(ref, at, within)
             else:
                 far = read(halo_ref, start + halo, within)
-            edge_at = jnp.broadcast_to((2 * k + slot) * num_cols + c, own.shape)
+            edge_at = jnp.broadcast_to(edge0 + (2 * k + slot) * num_cols + c, own.shape)
             far = jnp.where(beyond, read(edge_ref, edge_at, beyond), far)
             return jnp.where(inner, read(ref, own, inner), far)
 
@@ -779,7 +800,8 @@ def _band_scan_kernel(
     first, last = _chunk_rows(i, rows, num_rows)
     span = 3 * b - 1  # halo rows per chunk, and the edges' rows (b above, 2b - 1 below)
     halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one sub-array's halo rows
-    m0, d0, e0 = (starts_ref[k] for k in range(3))  # each array's first halo element
+    # Each array's first halo element, and the tensor's first edges element.
+    m0, d0, e0, edge0 = (starts_ref[k] for k in range(4))
 
     def locate(t):
         """The walk's row ``t``: ``(offset, halo, edge, beyond, ok)``, its flat offset, that of
@@ -808,7 +830,7 @@ def _band_scan_kernel(
     def from_edges(index, edge, beyond, ok):
         """Array ``index`` of the ``edges`` (0 ``g``, 1 ``m``, 2 ``d``, ``3 + k`` ``e``'s ``k``-th
         off-diagonal) at ``edge``."""
-        return read(edge_ref, index * span * num_cols + edge, ok & beyond)
+        return read(edge_ref, edge0 + index * span * num_cols + edge, ok & beyond)
 
     def read_state(ref, halo_ref, start, index, k, t):
         """Row ``t`` of sub-array ``k`` of ``ref`` (``e``'s ``k``-th off-diagonal; array
@@ -979,7 +1001,7 @@ def leaf_update(
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
     halos: tuple[Halo, Halo, Halo] | None = None,
-    edges: jax.Array | None = None,
+    edges: Edges | None = None,
     apply: Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's diag (``e`` is ``optax.MaskedNode``), tridiag or banded (``e`` of ``band >=
@@ -1023,7 +1045,7 @@ def group_update(
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
     halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
-    edges: list[jax.Array | None] | None = None,
+    edges: list[Edges | None] | None = None,
     applies: list[Apply | None] | None = None,
 ) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
     """:func:`leaf_update` of several tensors of one :func:`launch_key` (shape, dtypes, and all
@@ -1074,10 +1096,11 @@ def group_update(
                     f"halos gathered in chunks of {halo[0].rows} rows, tile has {rows}"
                 )
             if edge is None:
-                edge = run(kernel_edges(g, m, d, e, ChainLayout.unsharded(shape)))
+                (edge,) = run(kernel_edges([g], [m], [d], [e], ChainLayout.unsharded(shape)))
+            edge_size = (3 + band) * (3 * band - 1) * num_cols  # one tensor's edges
+            starts = [h.index * halo_size for h in halo] + [edge.index * edge_size]
             extra = [h.buffer for h in halo]
-            extra.append(jnp.array([h.index * halo_size for h in halo], jnp.int32))
-            extra.append(edge)
+            extra += [jnp.array(starts, jnp.int32), edge.buffer]
         params = []
         if applied is not None:
             params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]

@@ -347,20 +347,24 @@ def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
 
 
 def _edges(leaves: list[list], hyper: Hyper, kernels: bool) -> list:
-    """The ``edges`` input (``fused.kernel_edges``) of every band >= 1 kernel tensor, ``None`` for
-    the others. Sharded, the slabs of all tensors that go the same way travel together: one
-    collective-permute per mesh axes, direction and round (``chain.run``), whatever the number
-    of tensors."""
+    """The ``edges`` input (``fused.Edges``) of every band >= 1 kernel tensor, ``None`` for the
+    others: those of the tensors of one layout, band and statistics dtype built together
+    (``fused.kernel_edges``). Sharded, the slabs of all tensors that go the same way travel
+    together: one collective-permute per mesh axes, direction and round (``chain.run``), whatever
+    the number of tensors."""
     grads, m, d, e, _, layouts = leaves
-    members = [
-        k
-        for k, (ei, lay) in enumerate(zip(e, layouts, strict=True))
-        if _band(ei) >= 1 and _on_kernel(kernels, lay, _band(ei), hyper)
+    groups: dict[tuple, list[int]] = {}
+    for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
+        if _band(ei) >= 1 and _on_kernel(kernels, lay, _band(ei), hyper):
+            groups.setdefault((lay, _band(ei), jnp.dtype(d[k].dtype)), []).append(k)
+    programs = [
+        fused.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
+        for (layout, _, _), members in groups.items()
     ]
-    programs = [fused.kernel_edges(grads[k], m[k], d[k], e[k], layouts[k]) for k in members]
     edges: list = [None] * len(grads)
-    for k, x in zip(members, run(parallel(programs)), strict=True):
-        edges[k] = x
+    for members, found in zip(groups.values(), run(parallel(programs)), strict=True):
+        for k, x in zip(members, found, strict=True):
+            edges[k] = x
     return edges
 
 
