@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax import train, trainer
+from sonew_pax.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Custom-call targets that XLA's TPU compiler implements: sharding annotations (the GSPMD form
@@ -143,6 +144,16 @@ def test_the_check_reads_both_forms_and_allows_tpus_own_calls():
         "tpu_custom_call",
     }
     assert non_tpu_custom_calls(module) == ["cu_threefry2x32", "triton_kernel_call"]
+
+
+def test_configured_trainer_names_the_unbound_train_arguments():
+    gin.clear_config()
+    try:
+        train.parse_gin(["models/tiny.gin"], [], [])
+        with pytest.raises(ConfigError, match=r"binds no train\.batch_size, .*train\.seq_len"):
+            trainer.configured_trainer()
+    finally:
+        gin.clear_config()
 
 
 @pytest.mark.parametrize(("model", "optimizer"), list(itertools.product(MODELS, OPTIMIZERS)))
