@@ -10,7 +10,9 @@ the order of a T5X run: mesh and rules (`partitioning`), data, state layout and 
 (`train_state`), restore (`checkpoints`), then the loop: step, write metrics (`metrics`), evaluate
 every EVAL_PERIOD, save every CHECKPOINT_PERIOD, on SIGTERM and at the end. Compiled programs go
 to JAX's persistent compilation cache (default ``MODEL_DIR/compilation_cache``), so that a resumed
-run loads its train step instead of compiling it again.
+run loads its train step instead of compiling it again. `configured_trainer` builds the `Trainer`
+that `train` would from the gin config alone, reading no data: `Trainer.export_train_step` then
+lowers its step for other platforms (tests/test_tpu_export.py exports it for TPU on a CPU host).
 """
 
 import contextlib
