@@ -7,9 +7,10 @@
 #
 # Usage:
 #   PROJECT=my-project ZONE=us-central2-b TPU_NAME=sonew-v4-32 \
-#   MODEL_DIR=gs://my-bucket/sonew/1b launch/tpu_pod.sh [STEP] [-- EXTRA TRAIN FLAGS]
+#   MODEL_DIR=gs://my-bucket/sonew/1b launch/tpu_pod.sh [--dry_run] [STEP] [-- EXTRA TRAIN FLAGS]
 #
 # STEP: all (default: create, setup, train), create, setup, train, delete.
+# --dry_run: print every command the step would run (gcloud, git archive) and run none (DRY_RUN=1).
 #
 # Variables (required):
 #   PROJECT           Google Cloud project.
@@ -32,7 +33,7 @@
 #   GCSFUSE           1 (default): train into the gcsfuse mount; 0: pass MODEL_DIR as gs://
 #                     (no mount). Keep one choice for the whole run: see README.
 #   DETACH            1: start training under nohup (log in REMOTE_DIR/train.log) and return.
-#   DRY_RUN           1: print the gcloud commands instead of running them.
+#   DRY_RUN           1: as --dry_run.
 set -euo pipefail
 
 SCRIPT="launch/tpu_pod.sh"
@@ -49,13 +50,15 @@ require() {
 
 run() {
   # Runs a command, or prints it when DRY_RUN=1.
-  if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  if [[ "$DRY_RUN" == 1 ]]; then
     printf '+'; printf ' %q' "$@"; printf '\n'
   else
     "$@"
   fi
 }
 
+DRY_RUN="${DRY_RUN:-0}"
+[[ "${1:-}" == --dry_run ]] && DRY_RUN=1 && shift
 STEP="${1:-all}"
 [[ $# -gt 0 ]] && shift
 [[ "${1:-}" == "--" ]] && shift
@@ -74,7 +77,7 @@ if [[ "$STEP" != delete ]]; then
   BUCKET="${BASH_REMATCH[1]}"
   BUCKET_PATH="${BASH_REMATCH[2]:-}"
 fi
-command -v gcloud >/dev/null || [[ "${DRY_RUN:-0}" == 1 ]] || die "gcloud is not installed"
+command -v gcloud >/dev/null || [[ "$DRY_RUN" == 1 ]] || die "gcloud is not installed"
 
 ACCELERATOR_TYPE="${ACCELERATOR_TYPE:-v4-32}"
 RUNTIME_VERSION="${RUNTIME_VERSION:-tpu-ubuntu2204-base}"
@@ -95,12 +98,12 @@ on_all_workers() {
 }
 
 slice_exists() {
-  [[ "${DRY_RUN:-0}" != 1 ]] && "${GCLOUD_TPU[@]}" tpu-vm describe "$TPU_NAME" >/dev/null 2>&1
+  [[ "$DRY_RUN" != 1 ]] && "${GCLOUD_TPU[@]}" tpu-vm describe "$TPU_NAME" >/dev/null 2>&1
 }
 
 wait_until_active() {
   # Polls the queued resource until its slice is ACTIVE; fails on FAILED / SUSPENDED or timeout.
-  [[ "${DRY_RUN:-0}" == 1 ]] && return 0
+  [[ "$DRY_RUN" == 1 ]] && return 0
   local deadline=$((SECONDS + QUEUED_TIMEOUT_S)) state
   while ((SECONDS < deadline)); do
     state="$("${GCLOUD_TPU[@]}" queued-resources describe "$TPU_NAME" --format='value(state.state)')"
@@ -130,8 +133,10 @@ create() {
 setup() {
   # Ships the committed tree (git archive HEAD) and installs it in a venv on every worker.
   # The [gcs] extra (gcsfs, google-cloud-storage) lets the trainer open gs:// itself (GCSFUSE=0).
-  local archive mount=""
-  archive="$(mktemp -d)/sonew_pax.tar.gz"
+  # A dry run names the archive's directory instead of creating one.
+  local archive directory=TMPDIR mount=""
+  [[ "$DRY_RUN" == 1 ]] || directory="$(mktemp -d)"
+  archive="$directory/sonew_pax.tar.gz"
   if [[ "$GCSFUSE" == 1 ]]; then
     mount="
     command -v gcsfuse >/dev/null || { sudo apt-get update -q && sudo apt-get install -qy gcsfuse; }

@@ -10,14 +10,17 @@ the order of a T5X run: mesh and rules (`partitioning`), data, state layout and 
 (`train_state`), restore (`checkpoints`), then the loop: step, write metrics (`metrics`), evaluate
 every EVAL_PERIOD, save every CHECKPOINT_PERIOD, on SIGTERM and at the end. Compiled programs go
 to JAX's persistent compilation cache (default ``MODEL_DIR/compilation_cache``), so that a resumed
-run loads its train step instead of compiling it again.
+run loads its train step instead of compiling it again. `configured_trainer` builds the `Trainer`
+that `train` would from the gin config alone, reading no data: `Trainer.export_train_step` then
+lowers its step for other platforms (tests/test_tpu_export.py exports it for TPU on a CPU host).
 """
 
 import contextlib
 import dataclasses
+import inspect
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -192,6 +195,20 @@ class Trainer:
             key: jax.ShapeDtypeStruct(shape, dtypes[key], sharding=self.batch_sharding)
             for key in BATCH_KEYS
         }
+
+    def export_train_step(self, platforms: Sequence[str]) -> jax.export.Exported:
+        """`train_step` lowered for ``platforms`` (e.g. ``("tpu",)``) from abstract inputs.
+
+        The step is traced as `step` runs it (under the mesh and the logical axis rules) on the
+        layout's abstract state and `abstract_batch`, both carrying their shardings, so the
+        exported module has the step's in and out shardings; nothing is allocated or compiled.
+        The platforms need not be this host's: a CPU host proves the step lowers for a TPU
+        slice of the mesh's size.
+        """
+        with partitioning.axis_rules_context(self.mesh, self.rules):
+            return jax.export.export(self.train_step, platforms=platforms)(
+                self.layout.abstract_with_shardings(), self.abstract_batch()
+            )
 
     def init_state(self, seed: int) -> TrainState:
         """A fresh step-0 state, each array created directly in its shard."""
@@ -508,6 +525,59 @@ def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:
         )
 
 
+def _make_trainer(
+    *,
+    model_config: TransformerConfig,
+    optimizer: Callable[..., Any],
+    learning_rate: optimizers.Schedule,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    concurrent_launches: bool,
+    non_finite: str,
+    mesh: Mesh | None,
+) -> Trainer:
+    """`train`'s `Trainer` for its arguments of the same names, on the gin-configured mesh
+    (unless ``mesh`` is given) and logical axis rules; fails first if ``batch_size`` does not
+    split over the mesh (`partitioning.check_batch_size`)."""
+    mesh = partitioning.make_mesh() if mesh is None else mesh
+    rules = partitioning.logical_axis_rules()
+    partitioning.check_batch_size(batch_size, mesh, rules)
+    return Trainer(
+        Transformer(model_config),
+        optimizer,
+        learning_rate,
+        mesh,
+        rules,
+        (batch_size, seq_len),
+        seed,
+        concurrent_launches,
+        skip_non_finite=non_finite == "skip",
+    )
+
+
+def configured_trainer(mesh: Mesh | None = None) -> Trainer:
+    """The `Trainer` that `train` builds from the parsed gin config: its model, optimizer,
+    schedule, mesh, logical axis rules, batch shape and step options, from ``train.*``'s
+    bindings (and `train`'s defaults). Reads no data and allocates nothing, so a host without
+    the run's devices can lower its train step (`Trainer.export_train_step`).
+
+    Args:
+      mesh: the device mesh; default `partitioning.make_mesh()` as configured in gin.
+
+    Raises:
+      ConfigError: a ``train`` argument the trainer needs is not bound, or the batch size does
+        not split over the mesh.
+    """
+    defaults = {name: p.default for name, p in inspect.signature(train).parameters.items()}
+    arguments = defaults | gin.get_bindings(train)
+    names = inspect.signature(_make_trainer).parameters.keys() - {"mesh"}
+    unbound = sorted(name for name in names if arguments[name] is gin.REQUIRED)
+    if unbound:
+        raise ConfigError(f"the gin config binds no {', '.join(f'train.{n}' for n in unbound)}.")
+    return _make_trainer(mesh=mesh, **{name: arguments[name] for name in names})
+
+
 @gin.configurable(denylist=["mesh"])
 def train(
     *,
@@ -600,9 +670,17 @@ def train(
         profile_steps=profile_steps,
     )
     model_dir_path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
-    mesh = partitioning.make_mesh() if mesh is None else mesh
-    rules = partitioning.logical_axis_rules()
-    partitioning.check_batch_size(batch_size, mesh, rules)
+    step_fns = _make_trainer(  # shapes only: nothing is allocated or written yet
+        model_config=model_config,
+        optimizer=optimizer,
+        learning_rate=learning_rate,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        seed=seed,
+        concurrent_launches=concurrent_launches,
+        non_finite=non_finite,
+        mesh=mesh,
+    )
     data_args = {
         "seq_len": seq_len,
         "batch_size": batch_size,
@@ -612,17 +690,6 @@ def train(
     batches = train_data(seed=seed, **data_args)
     _check_vocab(model_config, batches)
     eval_batches = None if eval_data is None else eval_data(**data_args)
-    step_fns = Trainer(  # shapes only: nothing is allocated or written yet
-        Transformer(model_config),
-        optimizer,
-        learning_rate,
-        mesh,
-        rules,
-        (batch_size, seq_len),
-        seed,
-        concurrent_launches,
-        skip_non_finite=non_finite == "skip",
-    )
     stop = checkpoints.StopSignal()
     cache = compilation_cache_path(model_dir_path, compilation_cache_dir)
     with (

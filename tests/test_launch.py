@@ -1,7 +1,8 @@
 """Launch scripts, Docker images and the v4-32 run config, checked without a cluster or Docker.
 
 - Every script parses (``bash -n``) and passes shellcheck; each fails early, naming the missing
-  variable; ``DRY_RUN=1`` shows the commands the TPU and SLURM launchers would run.
+  variable; ``--dry_run`` (TPU) or ``DRY_RUN=1`` shows the commands the TPU and SLURM launchers
+  would run, running none.
 - ``local_multiprocess.sh`` starts its processes with the process-group variables and stops the
   others when one fails.
 - The Dockerfiles pass hadolint and keep the essentials (pinned base and jax, non-root, ...).
@@ -112,20 +113,57 @@ def test_tpu_pod_needs_a_gcs_model_dir():
     assert result.returncode == 2 and "MODEL_DIR must be gs://BUCKET/PATH" in result.stderr
 
 
-def test_tpu_pod_dry_run_creates_sets_up_and_trains_on_all_workers():
+def _recording_tools(directory: pathlib.Path, names: tuple[str, ...]) -> pathlib.Path:
+    """Stand-ins for the commands ``names`` in ``directory`` that append their command line to
+    ``directory/ran``: the file exists only if one of them ran."""
+    for name in names:
+        tool = directory / name
+        tool.write_text(f'#!/bin/sh\necho "{name} $*" >> "{directory}/ran"\n')
+        tool.chmod(0o755)
+    return directory / "ran"
+
+
+def _printed_argv(line: str) -> list[str]:
+    """The arguments of a command a dry run printed (``+`` then ``printf %q`` words), as bash
+    reads them back."""
+    words = line.removeprefix("+ ")
+    script = 'eval "argv=($1)"; printf "%s\\0" "${argv[@]}"'
+    read = subprocess.run(["bash", "-c", script, "-", words], capture_output=True, check=True)
+    return read.stdout.decode().split("\0")[:-1]
+
+
+@pytest.mark.parametrize(
+    ("option", "env"), [(["--dry_run"], {}), ([], {"DRY_RUN": "1"})], ids=["flag", "env"]
+)
+def test_tpu_pod_dry_run_prints_every_command_and_runs_none(tmp_path, option, env):
+    ran = _recording_tools(tmp_path, ("gcloud", "git", "mktemp"))
     result = run_script(
-        "tpu_pod.sh", "all", "--", "--gin.TRAIN_STEPS=10", env=TPU_ENV | {"DRY_RUN": "1"}
+        "tpu_pod.sh",
+        *option,
+        "all",
+        "--",
+        "--gin.TRAIN_STEPS=10",
+        env=TPU_ENV | env,
+        path_prefix=f"{tmp_path}{os.pathsep}",
     )
     assert result.returncode == 0, result.stderr
+    assert not ran.exists(), ran.read_text()
     lines = result.stdout.splitlines()
-    assert "tpu-vm create pod --accelerator-type=v4-32" in lines[0]
-    assert any("tpu-vm scp" in line and "--worker=all" in line for line in lines)
-    setup = next(line for line in lines if "pip install" in line)
-    assert "jax[tpu]==0.10.2" in setup and "gcsfuse --implicit-dirs b /mnt/gcs/b" in setup
-    train_line = lines[-1]
-    assert "tpu-vm ssh pod --worker=all" in train_line
-    assert "--gin_file=runs/pretrain_1b_v4_32.gin" in train_line
-    assert "/mnt/gcs/b/run" in train_line and "--gin.TRAIN_STEPS=10" in train_line
+    assert all(line.startswith("+ ") for line in lines), lines
+    create, archive, scp, setup, train_ = map(_printed_argv, lines)
+    gcloud = ["gcloud", "compute", "tpus", "--project=p", "--zone=us-central2-b", "tpu-vm"]
+    assert create[:8] == [*gcloud, "create", "pod"] and "--accelerator-type=v4-32" in create
+    assert archive[:2] == ["git", "archive"] and archive[-1] == "HEAD"
+    tarball = next(arg.removeprefix("--output=") for arg in archive if arg.startswith("--output="))
+    assert scp == [*gcloud, "scp", tarball, "pod:sonew_pax.tar.gz", "--worker=all"]
+    for ssh in (setup, train_):
+        assert ssh[:9] == [*gcloud, "ssh", "pod", "--worker=all"] and len(ssh) == 10
+    assert "jax[tpu]==0.10.2" in setup[9] and "gcsfuse --implicit-dirs b /mnt/gcs/b" in setup[9]
+    assert train_[9] == (
+        "--command=cd sonew_pax && .venv/bin/python -m sonew_pax.train "
+        '--gin_file=runs/pretrain_1b_v4_32.gin --gin.MODEL_DIR=\\"/mnt/gcs/b/run\\" '
+        "--gin.TRAIN_STEPS=10"
+    )
 
 
 def test_tpu_pod_queued_spot_resource():
