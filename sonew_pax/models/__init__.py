@@ -1,4 +1,5 @@
-"""Flax decoder-only transformer with logical axis names on every parameter and activation."""
+"""Flax decoder-only transformer with logical axis names on every parameter and activation, and
+its key/value cache for decoding."""
 
 from sonew_pax.models.transformer import (
     CausalSelfAttention,
@@ -9,6 +10,7 @@ from sonew_pax.models.transformer import (
     TransformerConfig,
     count_params,
     flops_per_token,
+    init_cache,
     rotary_embedding,
 )
 
@@ -21,5 +23,6 @@ __all__ = [
     "TransformerConfig",
     "count_params",
     "flops_per_token",
+    "init_cache",
     "rotary_embedding",
 ]
