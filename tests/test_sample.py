@@ -1,5 +1,6 @@
 """Sampling: greedy decoding against the full forward pass, restoring a run trained on a 2x4 mesh
-onto one device (read-only, a corrupt newest checkpoint skipped), and the command line's errors."""
+onto one device (read-only, a corrupt newest checkpoint skipped), the command line's errors, and
+the run's Hugging Face export (its parameters, its tokenizer note)."""
 
 import os
 import shutil
@@ -12,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sonew_pax import inference, trainer
+from sonew_pax import export_hf, inference, safetensors_io, trainer
 from sonew_pax.data import ByteTokenizer
 from sonew_pax.errors import ConfigError, RunError
-from sonew_pax.models import Transformer, TransformerConfig
+from sonew_pax.models import Transformer, TransformerConfig, llama
 from tests.test_trainer import configure
 
 CONFIG = TransformerConfig(
@@ -26,13 +27,14 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A 2-step tiny run on the 2x4 mesh, checkpoints at steps 1 and 2 (AdamW: the cheapest
-    train step to compile)."""
+    """A 2-step tiny run (SwiGLU, so that it exports) on the 2x4 mesh, checkpoints at steps 1
+    and 2 (AdamW: the cheapest train step to compile)."""
     model_dir = tmp_path_factory.mktemp("run")
     configure(
         model_dir,
         f"TRAIN_STEPS = {STEPS}",
         "make_optimizer.factory = @adamw",
+        "TransformerConfig.mlp_activation = 'swiglu'",
         "CHECKPOINT_PERIOD = 1",
         "learning_rate_schedule.warmup_steps = 1",
     )
@@ -106,3 +108,14 @@ def test_missing_config_or_checkpoint_is_one_error_line(run_dir, tmp_path):
     )
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == f"error: no checkpoint in {tmp_path}"
+
+
+def test_export_writes_the_runs_parameters(run_dir, tmp_path):
+    lines = export_hf.export(str(run_dir), str(tmp_path))
+    assert "byte-level" in lines[-1] and not (tmp_path / export_hf.TOKENIZER_MODEL).exists()
+    run = inference.load_run(str(run_dir))
+    tensors = safetensors_io.load(tmp_path / llama.WEIGHTS_FILE)
+    expected = llama.llama_tensors(run.params, run.config)
+    assert tensors.keys() == expected.keys()
+    for name, value in expected.items():
+        np.testing.assert_array_equal(tensors[name], value)

@@ -1,6 +1,7 @@
 """Flax decoder-only transformer with logical axis names on every parameter and activation, and
 its key/value cache for decoding."""
 
+from sonew_pax.models import llama
 from sonew_pax.models.transformer import (
     CausalSelfAttention,
     DecoderBlock,
@@ -24,5 +25,6 @@ __all__ = [
     "count_params",
     "flops_per_token",
     "init_cache",
+    "llama",
     "rotary_embedding",
 ]
