@@ -77,7 +77,7 @@ def read_run_config(model_dir: str) -> tuple[TransformerConfig, data.Tokenizer]:
     Raises:
       RunError: ``model_dir`` has no ``config.gin``, or its config names no model.
     """
-    path = paths.as_path(model_dir) / CONFIG_FILE
+    path = paths.model_dir(model_dir) / CONFIG_FILE
     if not path.exists():
         raise RunError(
             f"{path} does not exist: {model_dir} is not a run directory "
