@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sonew_pax import export_hf, inference, safetensors_io, trainer
+from sonew_pax import demo, export_hf, inference, safetensors_io, trainer
 from sonew_pax.data import ByteTokenizer
 from sonew_pax.errors import ConfigError, RunError
 from sonew_pax.models import Transformer, TransformerConfig, llama
@@ -81,6 +81,12 @@ def test_load_run_restores_the_run_on_one_device(run_dir):
     assert len(texts) == 2 and texts[0] == texts[1]  # greedy: both rows draw the same
     with pytest.raises(ConfigError, match="max_len"):
         inference.sample(run, "x" * 120, max_new_tokens=20)
+
+
+def test_demo_prints_two_samples(run_dir):
+    text = demo.samples(run_dir)
+    assert f"at step {STEPS}" in text and "python -m sonew_pax.sample" in text
+    assert text.count(f"\n{demo.PROMPT}") == 2 and "--- sample 2 ---" in text
 
 
 def test_a_corrupt_newest_checkpoint_is_skipped_and_left_in_place(run_dir, tmp_path, caplog):
