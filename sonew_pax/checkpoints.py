@@ -36,6 +36,8 @@ Rules kept here:
   in the same MODEL_DIR) is a configuration error (`ConfigMismatchError`, listing the
   differences), found from orbax's metadata before any array is read; nothing is renamed.
 - SIGTERM (preemption) sets a flag; the training loop saves at its current step and exits.
+- Readers of a run's parameters (sampling, export: `Checkpoints.restore_params`) only read: they
+  check the same checksums, skip a checkpoint that fails and rename nothing.
 """
 
 import contextlib
@@ -57,7 +59,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sonew_pax import paths
 from sonew_pax.errors import RunError
-from sonew_pax.train_state import TrainState
+from sonew_pax.train_state import PyTree, TrainState
 
 STEP_PREFIX = "checkpoint"
 CORRUPT_SUFFIX = ".corrupt"
@@ -179,6 +181,23 @@ def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list
         elif saved[name] != wanted[name]:
             lines.append(f"{name}: {saved[name]} in the checkpoint, {wanted[name]} in this run")
     return lines
+
+
+def _verify(state: Any, manifest: dict[str, Any]) -> None:
+    """Checks every array of ``state`` (a `TrainState` or a dict of some of its fields) against
+    the checksums a checkpoint's ``manifest`` recorded at the save ({} when it has none).
+
+    Raises:
+      ValueError: an array's checksum differs from the one saved, or an array is not finite.
+    """
+    saved = manifest.get("arrays", {})
+    for name, (dtype, checksum, finite) in fingerprint(state).items():
+        if not finite:
+            raise ValueError(f"array {name} holds NaN or inf")
+        record = saved.get(name)
+        # A dtype changed since the save (orbax casts at restore) has another checksum.
+        if record is not None and record["dtype"] == dtype and record["checksum"] != checksum:
+            raise ValueError(f"array {name} does not match its checksum: changed on disk")
 
 
 def checkpoint_dir(model_dir: str | os.PathLike, step: int) -> epath.Path:
@@ -367,12 +386,15 @@ class Checkpoints:
             ) from error
         return None
 
-    def _check_config(self, step: int, target: TrainState) -> None:
+    def _check_config(self, step: int, target: Any) -> None:
         """Raises `ConfigMismatchError` when checkpoint ``step``'s arrays (orbax's metadata) differ
-        in name or shape from ``target``'s. Unreadable metadata raises as corruption does."""
+        in name or shape from ``target``'s, a `TrainState` or a dict of some of its fields (then
+        only those are compared). Unreadable metadata raises as corruption does."""
         path = checkpoint_dir(self.model_dir, step) / "state"
-        metadata = ocp.StandardCheckpointHandler().metadata(path)
-        differences = describe_mismatch(_shapes(metadata), _shapes(target))
+        saved = _shapes(ocp.StandardCheckpointHandler().metadata(path))
+        if isinstance(target, dict):
+            saved = {name: shape for name, shape in saved.items() if name.split("/")[0] in target}
+        differences = describe_mismatch(saved, _shapes(target))
         if differences:
             listed = "\n  ".join(differences[:MISMATCH_LINES])
             more = len(differences) - MISMATCH_LINES
@@ -396,16 +418,58 @@ class Checkpoints:
             items["manifest"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = TrainState(*restored.state)
-        saved = restored.manifest["arrays"] if has_manifest else {}
-        for name, (dtype, checksum, finite) in fingerprint(state).items():
-            if not finite:
-                raise ValueError(f"array {name} holds NaN or inf")
-            record = saved.get(name)
-            # A dtype changed since the save (orbax casts at restore) has another checksum.
-            if record is not None and record["dtype"] == dtype and record["checksum"] != checksum:
-                raise ValueError(f"array {name} does not match its checksum: changed on disk")
+        _verify(state, restored.manifest if has_manifest else {})
         run = restored.manifest.get("run", {}) if has_manifest else {}
         return Restored(state, restored.data, run)
+
+    def restore_params(self, target: PyTree) -> tuple[int, PyTree]:
+        """The parameters of the newest checkpoint that restores intact, onto ``target``'s shapes
+        and shardings, read-only: nothing in MODEL_DIR is renamed or written (a run may be saving
+        there meanwhile), so a checkpoint that fails is only skipped, with a warning.
+
+        Args:
+          target: the parameters' ShapeDtypeStructs with shardings.
+
+        Returns:
+          ``(step, params)``.
+
+        Raises:
+          ConfigMismatchError: the checkpoint holds other parameters than ``target``.
+          RunError: MODEL_DIR holds no checkpoint, or none restores.
+        """
+        steps = self.steps()
+        if not steps:
+            raise RunError(f"no checkpoint in {self.model_dir}")
+        for step in reversed(steps):
+            try:
+                return step, self._restore_params_intact(step, target)
+            except ConfigMismatchError:
+                raise
+            except Exception as error:
+                logging.warning(
+                    "Checkpoint %s does not restore (%s: %s); trying the previous one.",
+                    checkpoint_dir(self.model_dir, step),
+                    type(error).__name__,
+                    str(error).splitlines()[0] if str(error) else "",
+                )
+        raise RunError(f"no checkpoint in {self.model_dir} restores (warnings above say why)")
+
+    def _restore_params_intact(self, step: int, target: PyTree) -> PyTree:
+        """The parameters alone of checkpoint ``step``, checked against its manifest."""
+        wanted = {"params": target}
+        self._check_config(step, wanted)
+        has_manifest = (checkpoint_dir(self.model_dir, step) / "manifest").exists()
+        state = ocp.args.PyTreeRestore(
+            item=wanted,
+            restore_args=ocp.checkpoint_utils.construct_restore_args(wanted),
+            partial_restore=True,
+        )
+        items = {"state": state}
+        if has_manifest:
+            items["manifest"] = ocp.args.JsonRestore()
+        restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        _verify(restored.state, restored.manifest if has_manifest else {})
+        return restored.state["params"]
 
     def _quarantine(self, steps: list[int]) -> None:
         """Renames unreadable checkpoints aside (never deleting them); their steps get redone."""

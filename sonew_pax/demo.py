@@ -3,8 +3,9 @@
     python -m sonew_pax.demo --model_dir=/tmp/sonew-demo
 
 A 0.4M-parameter byte-level transformer, tridiagonal SONew, the embedded Shakespeare corpus:
-a couple of minutes on a 2-core CPU. Prints the loss at the start and the end and where the
-checkpoints, metrics, TensorBoard events and configs are.
+a couple of minutes on a 2-core CPU. Prints the loss at the start and the end, where the
+checkpoints, metrics, TensorBoard events and configs are, and what the trained model writes after
+a Shakespeare prompt (`sonew_pax.inference`).
 """
 
 import json
@@ -13,10 +14,11 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from sonew_pax import train, trainer
+from sonew_pax import inference, train, trainer
 from sonew_pax.metrics import METRICS_FILE
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Where the demo run writes.", required=True)
+PROMPT = "ROMEO:"
 
 
 def summary(model_dir: pathlib.Path) -> str:
@@ -45,8 +47,19 @@ def summary(model_dir: pathlib.Path) -> str:
     return "\n".join(lines)
 
 
+def samples(model_dir: pathlib.Path, count: int = 2, max_new_tokens: int = 120) -> str:
+    """``count`` continuations of `PROMPT` by the run's newest checkpoint, one block each."""
+    run = inference.load_run(str(model_dir))
+    texts = inference.sample(
+        run, PROMPT, num_samples=count, max_new_tokens=max_new_tokens, temperature=0.8, top_k=20
+    )
+    blocks = [f"--- sample {i + 1} ---\n{PROMPT}{text}" for i, text in enumerate(texts)]
+    command = f"python -m sonew_pax.sample --model_dir={model_dir} --prompt={PROMPT!r}"
+    return "\n".join([f"The model at step {run.step} continues {PROMPT!r} ({command}):", *blocks])
+
+
 def main(argv: Sequence[str]) -> None:
-    """Runs tiny.gin into --model_dir and prints the summary."""
+    """Runs tiny.gin into --model_dir and prints the summary and two samples."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     model_dir = pathlib.Path(_MODEL_DIR.value).resolve()
@@ -54,6 +67,7 @@ def main(argv: Sequence[str]) -> None:
     train.parse_gin(["tiny.gin"], [f"MODEL_DIR = {json.dumps(str(model_dir))}"], [])
     trainer.train()
     print(summary(model_dir), flush=True)
+    print(samples(model_dir), flush=True)
 
 
 if __name__ == "__main__":

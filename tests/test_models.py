@@ -1,4 +1,5 @@
-"""The decoder-only transformer: shapes, dtypes, causality, logical names, shipped sizes."""
+"""The decoder-only transformer: shapes, dtypes, causality, logical names, shipped sizes, and
+cached decoding against the full forward pass."""
 
 import pathlib
 
@@ -15,6 +16,7 @@ from sonew_pax.models import (
     TransformerConfig,
     count_params,
     flops_per_token,
+    init_cache,
     rotary_embedding,
 )
 
@@ -53,6 +55,32 @@ def test_forward_shape_and_dtypes(overrides):
     assert bool(jnp.all(jnp.isfinite(logits)))
     dtypes = {leaf.dtype for leaf in jax.tree.leaves(variables)}
     assert dtypes == {jnp.dtype(jnp.float32)}
+
+
+@pytest.mark.parametrize("overrides", VARIANTS[:2], ids=["gelu-rotary-tied", "swiglu-learned"])
+def test_cached_decoding_matches_the_full_forward_pass(overrides):
+    """A prompt run into the cache, then one token at a time: the same logits as one pass over
+    the whole sequence, and the cache's index at the end of it."""
+    config = TransformerConfig(**SMALL, **overrides)
+    tokens = _tokens(length=SMALL["max_len"])
+    model, variables = _init(config, tokens)
+    full = model.apply(variables, tokens)
+
+    @jax.jit
+    def step(cache, chunk):
+        logits, mutated = model.apply(
+            {**variables, "cache": cache}, chunk, decode=True, mutable=["cache"]
+        )
+        return mutated["cache"], logits
+
+    cache = init_cache(config, *tokens.shape)
+    cache, prefill = step(cache, tokens[:, :5])
+    pieces = [prefill]
+    for position in range(5, tokens.shape[1]):
+        cache, logits = step(cache, tokens[:, position : position + 1])
+        pieces.append(logits)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=0, atol=1e-5)
+    assert int(cache["index"]) == tokens.shape[1]
 
 
 @pytest.mark.parametrize("positions", ["rotary", "learned"])

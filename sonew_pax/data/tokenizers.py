@@ -20,6 +20,7 @@ from typing import Protocol
 
 import numpy as np
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 
 class Tokenizer(Protocol):
@@ -62,6 +63,7 @@ class SentencePieceTokenizer:
 
     pad_id = 0
     eos_id = 1
+    unk_id = 2
 
     def __init__(self, model_path: str | os.PathLike):
         """Loads the model file at `model_path`."""
@@ -77,6 +79,20 @@ class SentencePieceTokenizer:
         """Returns the text of piece ids; PAD and EOS are dropped."""
         ids = [int(i) for i in np.asarray(ids).reshape(-1) if i not in (self.pad_id, self.eos_id)]
         return self._processor.decode(ids)
+
+    def id_to_piece(self, piece_id: int) -> str:
+        """Returns the piece of `piece_id` (e.g. ``"</s>"`` for EOS)."""
+        return self._processor.id_to_piece(piece_id)
+
+    @property
+    def model_type(self) -> str:
+        """The model's algorithm: ``"unigram"``, ``"bpe"``, ``"word"`` or ``"char"``."""
+        proto = sentencepiece_model_pb2.ModelProto.FromString(
+            self._processor.serialized_model_proto()
+        )
+        return sentencepiece_model_pb2.TrainerSpec.ModelType.Name(
+            proto.trainer_spec.model_type
+        ).lower()
 
 
 def training_sample(documents: Sequence[str], max_chars: int) -> list[str]:
@@ -120,7 +136,7 @@ def train_sentencepiece(
         vocab_size=vocab_size,
         pad_id=SentencePieceTokenizer.pad_id,
         eos_id=SentencePieceTokenizer.eos_id,
-        unk_id=2,
+        unk_id=SentencePieceTokenizer.unk_id,
         bos_id=-1,
         byte_fallback=True,
         hard_vocab_limit=False,

@@ -1,5 +1,7 @@
-"""Flax decoder-only transformer with logical axis names on every parameter and activation."""
+"""Flax decoder-only transformer with logical axis names on every parameter and activation, and
+its key/value cache for decoding."""
 
+from sonew_pax.models import llama
 from sonew_pax.models.transformer import (
     CausalSelfAttention,
     DecoderBlock,
@@ -9,6 +11,7 @@ from sonew_pax.models.transformer import (
     TransformerConfig,
     count_params,
     flops_per_token,
+    init_cache,
     rotary_embedding,
 )
 
@@ -21,5 +24,7 @@ __all__ = [
     "TransformerConfig",
     "count_params",
     "flops_per_token",
+    "init_cache",
+    "llama",
     "rotary_embedding",
 ]

@@ -16,12 +16,18 @@ the layer's own shapes, which is the layout the SONew state follows (ARCHITECTUR
 Architecture: token embedding (+ learned positions, or rotary positions inside attention), pre-norm
 residual blocks of RMSNorm → causal self-attention and RMSNorm → MLP (gelu or swiglu), final
 RMSNorm, then logits in float32 from the tied embedding or a separate output kernel.
+
+Decoding: ``apply(..., decode=True, mutable=["cache"])`` reads and extends a key/value cache in
+the flax "cache" collection (`init_cache` makes an empty one), so that a prompt is run once and
+each new token costs one position's work. Both modes attend with the same causal mask over the
+same positions; the training path is unchanged by it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any
 
 import flax.linen as nn
 import gin
@@ -147,15 +153,24 @@ def _param(module: nn.Module, name: str, names: tuple[str, ...], shape, init):
     )
 
 
-def rotary_embedding(x: jax.Array, base: float) -> jax.Array:
+def rotary_embedding(x: jax.Array, base: float, offset: jax.Array | int = 0) -> jax.Array:
     """Rotates the halves of the last axis of `x` [batch, length, heads, head_dim] by position.
 
     Position p rotates the pair (x[..., i], x[..., i + head_dim/2]) by the angle
     p * base^(-2i/head_dim) (the GPT-NeoX / LLaMA form of RoPE). Computed in float32.
+
+    Args:
+      x: queries or keys.
+      base: wavelength base of the frequencies.
+      offset: position of ``x[:, 0]`` (a traced scalar when decoding from a cache).
+
+    Returns:
+      The rotated ``x``, in its dtype.
     """
     half = x.shape[-1] // 2
     inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-    angles = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv_freq
+    positions = offset + jnp.arange(x.shape[1], dtype=jnp.int32)
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq
     sin = jnp.sin(angles)[None, :, None, :]
     cos = jnp.cos(angles)[None, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
@@ -177,13 +192,32 @@ class RMSNorm(nn.Module):
         return (y * scale.astype(jnp.float32)).astype(jnp.dtype(cfg.dtype))
 
 
+def _cached(module: nn.Module, name: str, new: jax.Array, offset: jax.Array) -> jax.Array:
+    """Writes ``new`` [batch, length, heads, kv] into the cache variable ``name`` at position
+    ``offset`` and returns the whole cache (created with ``new``'s shape by `init_cache`)."""
+    cache = module.variable("cache", name, jnp.zeros, new.shape, new.dtype)
+    cache.value = jax.lax.dynamic_update_slice_in_dim(cache.value, new, offset, axis=1)
+    return cache.value
+
+
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; kernels (embed, heads, kv) and (heads, kv, embed)."""
+    """Multi-head causal self-attention; kernels (embed, heads, kv) and (heads, kv, embed).
+
+    With ``decode``, the keys and values of ``x`` (positions ``offset, offset + 1, ...``) are
+    written into the "cache" collection's ``key`` and ``value`` [batch, cache length, heads, kv],
+    and the queries attend to every cached position up to their own.
+    """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        deterministic: bool,
+        decode: bool = False,
+        offset: jax.Array | int = 0,
+    ) -> jax.Array:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         qkv_shape = (cfg.d_model, cfg.num_heads, cfg.head_dim)
@@ -197,11 +231,14 @@ class CausalSelfAttention(nn.Module):
 
         q, k, v = project("query"), project("key"), project("value")
         if cfg.positions == "rotary":
-            q, k = rotary_embedding(q, cfg.rope_base), rotary_embedding(k, cfg.rope_base)
+            q = rotary_embedding(q, cfg.rope_base, offset)
+            k = rotary_embedding(k, cfg.rope_base, offset)
+        if decode:
+            k, v = _cached(self, "key", k, offset), _cached(self, "value", v, offset)
         q = q * jnp.asarray(1.0 / math.sqrt(cfg.head_dim), dtype)
         scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32)
-        length = x.shape[1]
-        causal = jnp.tril(jnp.ones((length, length), dtype=bool))
+        query_positions = offset + jnp.arange(x.shape[1])
+        causal = jnp.arange(k.shape[1])[None, :] <= query_positions[:, None]
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
         probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
@@ -249,11 +286,17 @@ class DecoderBlock(nn.Module):
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, x: jax.Array, deterministic: bool) -> jax.Array:
+    def __call__(
+        self,
+        x: jax.Array,
+        deterministic: bool,
+        decode: bool = False,
+        offset: jax.Array | int = 0,
+    ) -> jax.Array:
         cfg = self.config
         drop = nn.Dropout(cfg.dropout_rate)
         attended = CausalSelfAttention(cfg, name="attn")(
-            RMSNorm(cfg, name="attn_norm")(x), deterministic
+            RMSNorm(cfg, name="attn_norm")(x), deterministic, decode, offset
         )
         x = x + drop(attended, deterministic=deterministic)
         x = x + drop(
@@ -272,17 +315,29 @@ class Transformer(nn.Module):
     `wi_gate` and `wi_up` (embed, mlp) and `layer_<i>/mlp/wo` (mlp, embed); `final_norm/scale`
     (embed,); `output` (embed, vocab) unless embeddings are tied. Dropout (when
     `dropout_rate > 0` and `deterministic=False`) draws from the "dropout" RNG stream.
+
+    With ``decode=True`` (and ``mutable=["cache"]``), ``tokens`` continue the sequence held in
+    the "cache" collection (`init_cache`): they take the positions from its ``index`` on, their
+    keys and values are added to it, and ``index`` advances by their number. The caller keeps
+    ``index`` plus the tokens' number within the cache's length.
     """
 
     config: TransformerConfig
 
     @nn.compact
-    def __call__(self, tokens: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    def __call__(
+        self, tokens: jax.Array, *, deterministic: bool = True, decode: bool = False
+    ) -> jax.Array:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         length = tokens.shape[1]
         if length > cfg.max_len:
             raise ValueError(f"sequence length {length} exceeds max_len {cfg.max_len}")
+        offset = 0
+        if decode:
+            index = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
+            offset = index.value
+            index.value = offset + length
         init = _normal(cfg.init_std)
         embedding = _param(
             self, "embedding", ("vocab", "embed"), (cfg.vocab_size, cfg.d_model), init
@@ -292,11 +347,12 @@ class Transformer(nn.Module):
             table = _param(
                 self, "pos_embedding", ("length", "embed"), (cfg.max_len, cfg.d_model), init
             )
-            x = x + table[:length].astype(dtype)[None]
+            positions = jax.lax.dynamic_slice_in_dim(table, offset, length)
+            x = x + positions.astype(dtype)[None]
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
         for i in range(cfg.num_layers):
-            x = DecoderBlock(cfg, name=f"layer_{i}")(x, deterministic)
+            x = DecoderBlock(cfg, name=f"layer_{i}")(x, deterministic, decode, offset)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
             logits = jnp.einsum(
@@ -308,3 +364,26 @@ class Transformer(nn.Module):
                 "bld,dv->blv", x, kernel.astype(dtype), preferred_element_type=jnp.float32
             )
         return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+
+
+Cache = dict[str, Any]
+
+
+def init_cache(config: TransformerConfig, batch_size: int, length: int) -> Cache:
+    """An empty decoding cache (the "cache" collection) for `Transformer` with ``decode=True``.
+
+    Args:
+      config: the model's configuration.
+      batch_size: sequences decoded together.
+      length: positions the cache holds (prompt and generated tokens); at most ``max_len``.
+
+    Returns:
+      ``index`` (0) and each layer's zeroed ``attn/key`` and ``attn/value``
+      [batch_size, length, heads, kv] in the compute dtype.
+    """
+    tokens = jax.ShapeDtypeStruct((batch_size, length), jnp.int32)
+
+    def variables(tokens: jax.Array) -> Cache:
+        return Transformer(config).init(jax.random.key(0), tokens, decode=True)["cache"]
+
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(variables, tokens))
