@@ -2,14 +2,15 @@
 
 import argparse
 import ast
-import contextlib
+import dataclasses
 import datetime
+import functools
 import json
 import os
 import re
 import statistics
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,21 +91,23 @@ def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int)
     )
 
 
-def _fused_override(text: str) -> tuple[str, Any]:
-    """``--fused NAME=VALUE``: a constant of ``fused`` and its new value, a Python literal of the
-    constant's type (``BANDED_TILE=(64,64,2)``, ``_BANDED_MIN_ROWS=16``)."""
-    from sonew_pax.optim import fused  # lazy, as in fused_constants
+def _kernel_override(text: str) -> tuple[str, Any]:
+    """``--kernel FIELD=VALUE``: a field of ``optim.KernelConfig`` and its value, a Python literal
+    of the field's type (``banded_tile=(64,64,2)``, ``banded_min_rows=16``)."""
+    from sonew_pax.optim import kernels  # lazy: autoencoder.py keeps the optimizer optional
 
     name, sep, value = text.partition("=")
-    if not sep or not re.fullmatch(r"_?[A-Z][A-Z0-9_]*", name) or not hasattr(fused, name):
+    fields = {f.name for f in dataclasses.fields(kernels.KernelConfig)}
+    if not sep or name not in fields:
         raise argparse.ArgumentTypeError(
-            f"expected NAME=VALUE with NAME a constant of sonew_pax.optim.fused, got {text!r}"
+            f"expected FIELD=VALUE with FIELD one of optim.KernelConfig's {sorted(fields)}, "
+            f"got {text!r}"
         )
     try:
         parsed = ast.literal_eval(value)
     except (ValueError, SyntaxError) as err:
         raise argparse.ArgumentTypeError(f"{name}: {value!r} is not a Python literal") from err
-    current = getattr(fused, name)
+    current = getattr(kernels.DEFAULT, name)
     if type(parsed) is not type(current):
         raise argparse.ArgumentTypeError(
             f"{name} is a {type(current).__name__}, got {value!r} ({type(parsed).__name__})"
@@ -112,67 +115,66 @@ def _fused_override(text: str) -> tuple[str, Any]:
     return name, parsed
 
 
-def add_fused_arg(parser: argparse.ArgumentParser) -> None:
-    """``--fused NAME=VALUE`` (repeatable): constants of ``sonew_pax.optim.fused`` (tiles, launch
-    groups) set for the whole run with :func:`fused_constants`, as ``args.fused``, a list of
-    ``(name, value)`` pairs; results record them with :func:`fused_config`."""
+def add_kernel_arg(parser: argparse.ArgumentParser) -> None:
+    """``--kernel FIELD=VALUE`` (repeatable): fields of the ``optim.KernelConfig`` every SONew
+    optimizer of the run is built with (:func:`kernel_config`), as ``args.kernel``, a list of
+    ``(field, value)`` pairs; results record them (:func:`lm_set_result`)."""
     parser.add_argument(
-        "--fused",
-        type=_fused_override,
+        "--kernel",
+        type=_kernel_override,
         action="append",
         default=[],
-        metavar="NAME=VALUE",
-        help="set a constant of sonew_pax.optim.fused for the whole run (repeatable), e.g. "
-        "--fused _BANDED_MIN_ROWS=16 --fused 'BANDED_TILE=(64,64,2)'; recorded in config.fused",
+        metavar="FIELD=VALUE",
+        help="a field of sonew_pax.optim.KernelConfig for the whole run (repeatable), e.g. "
+        "--kernel banded_min_rows=16 --kernel 'banded_tile=(64,64,2)'; recorded in "
+        "config.kernel",
     )
 
 
+def kernel_config(args: argparse.Namespace):
+    """The ``optim.KernelConfig`` of ``--kernel`` and ``--concurrent``."""
+    from sonew_pax.optim import kernels
+
+    fields = dict(getattr(args, "kernel", []))
+    if getattr(args, "concurrent", False):
+        fields["concurrent"] = True
+    return dataclasses.replace(kernels.DEFAULT, **fields)
+
+
+def kernel_argv(args: argparse.Namespace) -> list[str]:
+    """The ``--kernel`` flags that give a child process the same configuration."""
+    return [arg for name, value in args.kernel for arg in ("--kernel", f"{name}={value!r}")]
+
+
 def add_concurrent_arg(parser: argparse.ArgumentParser) -> None:
-    """``--concurrent``: jit every row's step with ``optim.concurrent_jit`` (its executable may run
-    independent GPU kernels at once; SONew's bands >= 2 walk longer chunks), as ``args.concurrent``;
+    """``--concurrent``: compile every row's step so that XLA may run its independent GPU kernels
+    at the same time (``kernels.CONCURRENT_OPTIONS``, :func:`jit_for`) and build SONew with
+    ``KernelConfig(concurrent=True)`` (bands >= 2 walk longer chunks), as ``args.concurrent``;
     :func:`lm_set_result` records it."""
     parser.add_argument(
         "--concurrent",
         action="store_true",
-        help="jit each optimizer's step with sonew_pax.optim.concurrent_jit (XLA's concurrent "
-        "command-buffer scheduling for that executable alone), AdamW's too",
+        help="compile each optimizer's step with XLA's concurrent command-buffer scheduling "
+        "(that executable alone, AdamW's too) and SONew's kernels configured for it",
     )
 
 
+def compiler_options(args: argparse.Namespace) -> dict | None:
+    """The compile options of ``--concurrent`` (``None`` without it)."""
+    from sonew_pax.optim import kernels
+
+    return dict(kernels.CONCURRENT_OPTIONS) if getattr(args, "concurrent", False) else None
+
+
 def jit_for(args: argparse.Namespace) -> Callable:
-    """``jax.jit``, or ``optim.concurrent_jit`` under ``--concurrent``."""
-    from sonew_pax import optim  # lazy, as in fused_constants
-
-    return optim.concurrent_jit if getattr(args, "concurrent", False) else jax.jit
-
-
-@contextlib.contextmanager
-def fused_constants(overrides: Sequence[tuple[str, Any]]) -> Iterator[None]:
-    """Within: the constants of ``fused`` set to ``overrides`` (``(name, value)`` pairs); restored
-    after."""
-    # Lazy: scripts that never take --fused (autoencoder.py keeps the optimizer library optional)
-    # do not import the kernels' module by importing this one.
-    from sonew_pax.optim import fused
-
-    saved = {name: getattr(fused, name) for name, _ in overrides}
-    for name, value in overrides:
-        setattr(fused, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            setattr(fused, name, value)
-
-
-def fused_config(overrides: Sequence[tuple[str, Any]]) -> dict[str, dict[str, str]]:
-    """``{"fused": {name: repr(value)}}`` for a result's config, or ``{}`` without overrides."""
-    return {"fused": {name: repr(value) for name, value in overrides}} if overrides else {}
+    """``jax.jit`` with :func:`compiler_options`."""
+    return functools.partial(jax.jit, compiler_options=compiler_options(args))
 
 
 def lm_set_result(args: argparse.Namespace, params: int, **config: Any) -> dict:
-    """A result of the LM-set benchmarks (``lm_shapes.add_args``, ``add_fused_arg``) with no rows
+    """A result of the LM-set benchmarks (``lm_shapes.add_args``, ``add_kernel_arg``) with no rows
     yet: the device, date, parameter count and a config of the set's ``--scale`` and ``--layers``,
-    the script's own ``config``, JAX's version, ``XLA_FLAGS`` and the ``--fused`` overrides."""
+    the script's own ``config``, JAX's version, ``XLA_FLAGS`` and the ``--kernel`` fields."""
     return {
         "device": device_name(),
         "date": utc_date(),
@@ -184,15 +186,10 @@ def lm_set_result(args: argparse.Namespace, params: int, **config: Any) -> dict:
             "concurrent": getattr(args, "concurrent", False),
             "jax": jax.__version__,
             "xla_flags": xla_flags(),
-            **fused_config(args.fused),
+            **({"kernel": {k: repr(v) for k, v in args.kernel}} if args.kernel else {}),
         },
         "rows": [],
     }
-
-
-def fused_argv(overrides: Sequence[tuple[str, Any]]) -> list[str]:
-    """The ``--fused`` flags that give a child process the same overrides."""
-    return [arg for name, value in overrides for arg in ("--fused", f"{name}={value!r}")]
 
 
 def device_name() -> str:

@@ -65,18 +65,17 @@ def compile_once(name: str, cache_dir: str, args: argparse.Namespace) -> dict:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     shapes = lm_shapes.from_args(args)
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=update_speed.GRAD_STD)
-    with common.fused_constants(args.fused):
-        tx = update_speed.make_optimizer(name)
-        update, (params, state) = update_speed.fresh_update(tx, shapes)
-        # Only jit_update compiles in here.
-        with trainer.persistent_compilation_cache(cache_dir), trainer.CacheHits() as hits:
-            start = time.perf_counter()
-            lowered = update.lower(params, state, grads)
-            lowered_at = time.perf_counter()
-            compiled = lowered.compile()
-            compiled_at = time.perf_counter()
-        for _ in range(args.steps):
-            params, state = compiled(params, state, grads)
+    tx = update_speed.make_optimizer(name, common.kernel_config(args))
+    update, (params, state) = update_speed.fresh_update(tx, shapes)
+    # Only jit_update compiles in here.
+    with trainer.persistent_compilation_cache(cache_dir), trainer.CacheHits() as hits:
+        start = time.perf_counter()
+        lowered = update.lower(params, state, grads)
+        lowered_at = time.perf_counter()
+        compiled = lowered.compile()
+        compiled_at = time.perf_counter()
+    for _ in range(args.steps):
+        params, state = compiled(params, state, grads)
     leaves = jax.tree.leaves(jax.device_get(params))
     return {
         "lower_s": lowered_at - start,
@@ -92,7 +91,7 @@ def run_child(name: str, cache_dir: Path, args: argparse.Namespace) -> dict:
         out = Path(tmp) / "child.json"
         argv = [sys.executable, __file__, "--optimizers", name, "--steps", str(args.steps)]
         argv += ["--scale", str(args.scale), "--layers", str(args.layers)]
-        argv += [*common.fused_argv(args.fused), "--child", str(cache_dir), "--out", str(out)]
+        argv += [*common.kernel_argv(args), "--child", str(cache_dir), "--out", str(out)]
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
         if proc.returncode != 0 or not out.is_file():
             tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-20:])
@@ -132,7 +131,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--steps", type=common.int_at_least(1), default=3, help="updates run after compiling"
     )
-    common.add_fused_arg(p)
+    common.add_kernel_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)  # the cache directory of one process
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     return p.parse_args(argv)

@@ -1,13 +1,13 @@
-"""The SONew GPU kernel (``sonew_pax/optim/fused.py``) on its own, and what XLA makes around it.
+"""The SONew GPU kernels (``sonew_pax/optim/kernels``) on their own, and what XLA makes around it.
 
 Two parts, to find where an update's time goes:
 
 * **one tensor** (``--shape``, default 4096 x 4096 float32): the achieved bandwidth of a plain copy,
   of the whole jitted update (``update_speed.make_update``: ``optim.apply_gradients``, params
   and state donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel
-  alone (``fused.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles`` for band
-  0's kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns must cover its lanes).
-  ``gbps`` counts the bytes each one
+  alone (``kernels.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles``
+  for band 0's kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns must cover its
+  lanes). ``gbps`` counts the bytes each one
   must move (kernel alone: read g, m, d (, e), write u, m, d (, e)).
 * **HLO** of the update of the ~335M LM-shaped set (``lm_shapes.py``): how many kernels the
   compiled program launches per optimizer (fusions, custom calls such as the Pallas kernel, and
@@ -34,7 +34,7 @@ import common
 import lm_shapes
 import update_speed
 
-from sonew_pax.optim import fused, pointwise
+from sonew_pax.optim import kernels, pointwise
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
 # (rows, cols, num_warps) of a program's tile, as ``--tiles`` and ``--scan_tiles`` spell them
@@ -44,7 +44,7 @@ UPDATES = "adamw,sonew_diag,sonew_diag_pallas,sonew_tridiag,sonew_tridiag_pallas
 
 
 def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:
-    """(median ms, bytes) of ``fused.leaf_update`` alone on one random tensor of ``shape``."""
+    """(median ms, bytes) of ``kernels.leaf_update`` alone on one random tensor of ``shape``."""
     key = jax.random.key(0)
     g = 1e-3 * jax.random.normal(key, shape)
     m, d = jnp.zeros(shape), jnp.full(shape, 1e-6)
@@ -56,7 +56,7 @@ def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:
 
     def step(state):
         m, d, e = state
-        _, m, d, e, _ = fused.leaf_update(
+        _, m, d, e, _ = kernels.leaf_update(
             g, m, d, e, corrections, hyper, interpret=interpret, tile=setting
         )
         return m, d, e

@@ -3,10 +3,11 @@
 A first step on a GPU traces the update, lowers it to StableHLO (Pallas lowers each kernel launch to
 a Triton module) and compiles it; XLA compiles every distinct Triton module once. SONew's kernels
 therefore make a first step slow in two ways: the host's tracing and lowering, and one Triton
-compile per distinct program (long for the banded walk: ``fused._MAX_BANDED_GROUP``). Neither needs
-a GPU to count: JAX lowers for CUDA on any machine (``Traced.lower(lowering_platforms=("cuda",))``),
-so this also runs on a CPU, with SONew's compiled kernel path forced (not Pallas' interpreter, as
-``tests/test_fused.py::test_kernels_lower_to_triton_for_cuda`` does). Nothing is allocated: the
+compile per distinct program (long for the banded walk: ``KernelConfig.max_banded_group``).
+Neither needs a GPU to count: JAX lowers for CUDA on any machine
+(``Traced.lower(lowering_platforms=("cuda",))``), so this also runs on a CPU, with SONew's
+compiled kernel path forced (not Pallas' interpreter, as
+``tests/test_kernels.py::test_kernels_lower_to_triton_for_cuda`` does). Nothing is allocated: the
 update is traced on abstract arrays, so the full 335M-parameter set lowers on a laptop.
 
 Per optimizer (each with empty tracing caches): ``trace_s`` (Python tracing to a jaxpr, the
@@ -41,7 +42,7 @@ import common
 import lm_shapes
 import update_speed
 
-from sonew_pax.optim import fused
+from sonew_pax.optim.kernels import halo, launch
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lowering.json"
 COLUMNS = (
@@ -62,14 +63,14 @@ _CALL = re.compile(r"\bcall @(\w+)\(")
 @contextlib.contextmanager
 def compiled_kernels() -> Iterator[None]:
     """SONew's kernels as they lower on an NVIDIA GPU, on any backend: compiled, not in Pallas'
-    interpreter, their multiply-adds as PTX (``fused._ptx``)."""
+    interpreter, their multiply-adds as PTX (``launch.ptx``)."""
     sonew = importlib.import_module("sonew_pax.optim.sonew")  # the package's name is the function
-    saved = sonew._interpret, fused._ptx
-    sonew._interpret, fused._ptx = (lambda: False), (lambda: True)
+    saved = sonew._interpret, launch.ptx
+    sonew._interpret, launch.ptx = (lambda: False), (lambda: True)
     try:
         yield
     finally:
-        sonew._interpret, fused._ptx = saved
+        sonew._interpret, launch.ptx = saved
 
 
 def triton_programs(text: str) -> tuple[int, dict[str, set[str]]]:
@@ -105,11 +106,11 @@ def _bytes(ir: str) -> int:
 def lower(name: str, shapes, args: argparse.Namespace) -> dict:
     """``name``'s donated update of the LM set's ``shapes`` (``update_speed.make_update``, jitted
     by ``common.jit_for``), lowered for CUDA."""
-    fused._step_call.cache_clear()
-    fused._halo_call.cache_clear()
+    launch.step_call.cache_clear()
+    halo.halo_call.cache_clear()
     jax.clear_caches()
-    with common.fused_constants(args.fused), compiled_kernels():
-        tx = update_speed.make_optimizer(name)
+    with compiled_kernels():
+        tx = update_speed.make_optimizer(name, common.kernel_config(args))
         update = update_speed.make_update(tx, common.jit_for(args))
         state = jax.eval_shape(tx.init, shapes)
         start = time.perf_counter()
@@ -137,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, update_speed.OPTIMIZERS, "adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas"
     )
     lm_shapes.add_args(p)
-    common.add_fused_arg(p)
+    common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
     return p.parse_args(argv)

@@ -9,8 +9,8 @@ events back and reports, per step:
 * ``busy_ms``: the sum of kernel durations on the device, and ``kernels``: how many ran;
 * ``span_ms``: the time at least one kernel ran (the union of their intervals): ``busy_ms``
   where kernels run one after another, less where they overlap (concurrent streams or command
-  buffers: ``--concurrent``, the update jitted with ``optim.concurrent_jit``, or the process's
-  ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``);
+  buffers: ``--concurrent``, the update compiled with ``kernels.CONCURRENT_OPTIONS``, or the
+  process's ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``);
 * ``idle_ms`` = ``wall_ms - span_ms``: launch gaps and host overhead;
 * ``families``: kernel time grouped by name with numeric suffixes dropped (``loop_add_fusion.12``
   -> ``loop_add_fusion``; the Pallas kernels are named ``sonew_band0_step``, ``sonew_band1_step``
@@ -27,7 +27,7 @@ Usage: ``python benchmarks/profile_update.py --optimizers adamw,sonew_tridiag_pa
 """
 
 import argparse
-import contextlib
+import dataclasses
 import gzip
 import json
 import re
@@ -44,7 +44,6 @@ import kernel_speed
 import lm_shapes
 import update_speed
 
-from sonew_pax.optim import fused
 from sonew_pax.optim.sonew import DEFAULT_EPS
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "profile_update.json"
@@ -136,10 +135,12 @@ def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple
     return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["span_ms"], **summary}, carry
 
 
-def profile_optimizer(name: str, shapes, grads, args, directory: Path) -> dict:
-    """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name`` (the trace
-    kept in ``directory``)."""
-    tx = update_speed.make_optimizer(name)
+def profile_optimizer(name: str, shapes, grads, args, directory: Path, config=None) -> dict:
+    """Warms up, then traces ``args.iters`` donated update steps of optimizer ``name`` (SONew's
+    kernels configured by ``config``, default ``common.kernel_config(args)``; the trace kept in
+    ``directory``)."""
+    config = config or common.kernel_config(args)
+    tx = update_speed.make_optimizer(name, config)
     update, carry = update_speed.fresh_update(tx, shapes, common.jit_for(args))
     for _ in range(args.warmup):
         carry = jax.block_until_ready(update(*carry, grads))
@@ -158,19 +159,11 @@ def _counts(text: str) -> list[int]:
     return counts
 
 
-@contextlib.contextmanager
-def band1(tile: tuple[int, int, int] | None, stack: int | None = None):
-    """Within: band-1 updates built run the scan with default tile ``tile`` and ``stack`` walks
-    per program (``fused.SCAN_TILE``, ``fused.SCAN_STACK``), when given; restored after."""
-    saved = fused.SCAN_TILE, fused.SCAN_STACK
-    if tile:
-        fused.SCAN_TILE = tile
-    if stack:
-        fused.SCAN_STACK = stack
-    try:
-        yield
-    finally:
-        fused.SCAN_TILE, fused.SCAN_STACK = saved
+def band1(config, tile: tuple[int, int, int] | None, stack: int | None = None):
+    """``config`` with the band-1 scan's tile and walks per program (``scan_tile``,
+    ``scan_stack``) where given."""
+    changes = {"scan_tile": tile, "scan_stack": stack}
+    return dataclasses.replace(config, **{k: v for k, v in changes.items() if v})
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -191,9 +184,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--scan_stacks",
         type=_counts,
         help="S,...: profile every optimizer once per number of walks the band-1 scan stacks in "
-        "a program (fused.SCAN_STACK; rows named optimizer@...:sS)",
+        "a program (KernelConfig.scan_stack; rows named optimizer@...:sS)",
     )
-    common.add_fused_arg(p)
+    common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
     p.add_argument(
         "--grad_std",
@@ -227,8 +220,8 @@ def main(argv=None) -> dict:
         suffix += [f"s{stack}"] if stack else []
         for name in args.optimizers:
             label = f"{name}@{':'.join(suffix)}" if suffix else name
-            with common.fused_constants(args.fused), band1(tile, stack):
-                row = profile_optimizer(name, shapes, grads, args, trace_dir / label)
+            config = band1(common.kernel_config(args), tile, stack)
+            row = profile_optimizer(name, shapes, grads, args, trace_dir / label, config)
             row["optimizer"] = label
             result["rows"].append(row)
             print(

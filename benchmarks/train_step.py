@@ -5,9 +5,9 @@ The step is the trainer's own: `sonew_pax.trainer.Trainer` on a one-device mesh 
 from ``configs/models/<model>.gin`` (compute dtype from ``--dtype``, parameters float32), the
 optimizer through `sonew_pax.optimizers.make_optimizer` (global-norm clipping, then the optimizer,
 as in training; weight decay 0.1 on matrices; constant learning rate), and the jitted,
-state-donating train step (forward, backward, update; ``--concurrent``: jitted by
-``optim.concurrent_jit``, as ``train.concurrent_launches`` does). Batches are random tokens,
-fixed across steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
+state-donating train step (forward, backward, update; ``--concurrent``: compiled with
+``kernels.CONCURRENT_OPTIONS``, SONew with ``KernelConfig(concurrent=True)``). Batches are random
+tokens, fixed across steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
 ``block_until_ready``; the median is reported. Then ``--iters`` steps run back to back, waited
 on once (``pipelined_ms``, their mean: the host dispatches each step while the device still runs
 the last, as ``Trainer.train`` does).
@@ -53,7 +53,7 @@ import common
 import profile_update
 import update_speed
 
-from sonew_pax import optimizers, partitioning
+from sonew_pax import optim, optimizers, partitioning
 from sonew_pax.models import Transformer, TransformerConfig, count_params
 from sonew_pax.trainer import Trainer
 
@@ -92,14 +92,16 @@ def load_model_config(
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
-def optimizer_factory(name: str, unsharded: bool):
-    """``make_optimizer`` (clipping + the named optimizer) as the Trainer calls it."""
+def optimizer_factory(name: str, unsharded: bool, kernel_config=None):
+    """``make_optimizer`` (clipping + the named optimizer) as the Trainer calls it; SONew's
+    kernels configured by ``kernel_config`` (default ``optim.KernelConfig()``)."""
     if name == "adamw":
         factory = functools.partial(optimizers.adamw, weight_decay=WEIGHT_DECAY)
     elif name == "adafactor":
         factory = optimizers.adafactor
     else:
         kwargs = update_speed.SONEW_VARIANTS[name]
+        kwargs = kwargs | {"kernel_config": kernel_config or optim.KernelConfig()}
         factory = functools.partial(optimizers.sonew, weight_decay=WEIGHT_DECAY, **kwargs)
     if unsharded:
         plain = factory
@@ -134,15 +136,8 @@ def peak_memory_gib(devices=None) -> float | None:
 
 
 def run_one(name: str, args: argparse.Namespace) -> dict:
-    """Builds the Trainer for optimizer ``name``, times its train step, returns the row; the
-    ``--fused`` overrides hold throughout (the kernels are built and traced within)."""
-    with common.fused_constants(args.fused):
-        return _measure(name, args)
-
-
-def _measure(name: str, args: argparse.Namespace) -> dict:
-    """`run_one`'s work."""
-    optimizer = optimizer_factory(name, args.unsharded_optimizer)
+    """Builds the Trainer for optimizer ``name``, times its train step, returns the row."""
+    optimizer = optimizer_factory(name, args.unsharded_optimizer, common.kernel_config(args))
     config = load_model_config(args.model, args.dtype, args.layers)
     devices = jax.devices()[: args.mesh_data * args.mesh_model]
     mesh = partitioning.make_mesh(data=args.mesh_data, model=args.mesh_model, devices=devices)
@@ -155,7 +150,7 @@ def _measure(name: str, args: argparse.Namespace) -> dict:
         rules,
         (args.batch_size, args.seq_len),
         seed=0,
-        concurrent_launches=args.concurrent,
+        compiler_options=common.compiler_options(args),
     )
     with partitioning.axis_rules_context(mesh, rules):
         state = trainer.init_state(0)
@@ -232,7 +227,7 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
         argv.append("--unsharded_optimizer")
     if args.concurrent:
         argv.append("--concurrent")
-    return argv + common.fused_argv(args.fused)
+    return argv + common.kernel_argv(args)
 
 
 def run_isolated(name: str, args: argparse.Namespace) -> dict:
@@ -274,7 +269,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
-    common.add_fused_arg(p)
+    common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
     p.add_argument(
         "--profile_steps",
@@ -329,7 +324,7 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "isolated": not args.no_isolate,
             "jax": jax.__version__,
             "xla_flags": common.xla_flags(),
-            **common.fused_config(args.fused),
+            **({"kernel": {k: repr(v) for k, v in args.kernel}} if args.kernel else {}),
         },
         "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
     }

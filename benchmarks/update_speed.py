@@ -24,9 +24,8 @@ steps per optimizer with ``jax.profiler`` and reports the device's kernel time p
 (``busy_ms``, ``profile_update.py``'s measure) and its ratio to AdamW's: the update's cost on the
 device, which in a training loop the next step's dispatch overlaps; and ``span_ms``, the time at
 least one kernel ran, which is ``busy_ms`` when the kernels run one at a time and less where they
-overlap (``--concurrent``: every row's update jitted with ``optim.concurrent_jit``; or the
-process-wide ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT``; the JSON's config
-records both).
+overlap (``--concurrent``: every row's update compiled with ``kernels.CONCURRENT_OPTIONS``; the
+JSON's config records it).
 
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
@@ -36,7 +35,7 @@ pipelined pair and ``dispatch_ms`` null for ``copy``, the busy and span pairs al
 ``--profile_steps``).
 
 SONew rows use the XLA implementation (``implementation="xla"``); each ``*_pallas`` row is the
-same optimizer with the Pallas kernels of ``sonew_pax/optim/fused.py`` (``sonew``'s default on GPU,
+same optimizer with the Pallas kernels of ``sonew_pax/optim/kernels`` (``sonew``'s default on GPU,
 ``"auto"``). ``*_lag`` rows scale by the previous step's graft ratio (``graft_lag=True``).
 
 Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
@@ -111,11 +110,15 @@ GRAD_STD = 1e-3
 WEIGHT_DECAY = 0.1
 
 
-def make_optimizer(name: str) -> optax.GradientTransformation:
-    """The optimizer called ``name`` (see OPTIMIZERS)."""
+def make_optimizer(
+    name: str, kernel_config: optim.KernelConfig | None = None
+) -> optax.GradientTransformation:
+    """The optimizer called ``name`` (see OPTIMIZERS); SONew's kernels tuned by
+    ``kernel_config`` (default: ``optim.KernelConfig()``)."""
     if name == "adamw":
         return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY)
-    return optim.sonew(LEARNING_RATE, weight_decay=WEIGHT_DECAY, **SONEW_VARIANTS[name])
+    kwargs = SONEW_VARIANTS[name] | {"kernel_config": kernel_config or optim.KernelConfig()}
+    return optim.sonew(LEARNING_RATE, weight_decay=WEIGHT_DECAY, **kwargs)
 
 
 def make_update(
@@ -124,7 +127,7 @@ def make_update(
     """Jitted ``(params, state, grads) -> (params, state)`` (``optim.apply_gradients``), params and
     state donated.
 
-    ``jit`` is ``jax.jit`` or ``optim.concurrent_jit`` (``common.jit_for``); ``jit_kwargs`` (e.g.
+    ``jit`` is ``jax.jit`` or ``common.jit_for``'s; ``jit_kwargs`` (e.g.
     ``in_shardings``, ``out_shardings``) go to it.
     """
 
@@ -249,7 +252,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     lm_shapes.add_args(p)
     common.add_optimizers_arg(p, OPTIMIZERS, ",".join(OPTIMIZERS))
     common.add_timing_args(p, warmup=5, iters=50)
-    common.add_fused_arg(p)
+    common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
     p.add_argument(
         "--profile_steps",
@@ -280,8 +283,8 @@ def main(argv=None) -> dict:
     copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
     rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes), n)]
     for name in args.optimizers:
-        with common.fused_constants(args.fused):
-            timing = time_optimizer(make_optimizer(name), shapes, grads, args, args.profile_steps)
+        tx = make_optimizer(name, common.kernel_config(args))
+        timing = time_optimizer(tx, shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))
         print(f"{name}: {timing.ms:.3f} ms", flush=True)
         common.write_json(args.out, build_result(rows, n, args))

@@ -20,10 +20,10 @@ from jax.sharding import PartitionSpec as P
 
 from sonew_pax import optim, optimizers, trainer
 from sonew_pax.models import Transformer, TransformerConfig
-from sonew_pax.optim import fused
+from sonew_pax.optim import KernelConfig, kernels
 from sonew_pax.train_state import TrainState
-from tests.test_fused import _assert_close
 from tests.test_graft_lag import _grads
+from tests.test_kernels import _assert_close
 from tests.test_sonew_sharded import case, make_mesh
 
 SHAPES = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (33,)}  # "bias": 1-D, Adam's direction
@@ -69,16 +69,16 @@ def _both_paths(tx, params, grads_seq, place=lambda tree: tree, place_state=lamb
 
 @pytest.fixture
 def kernel_spy(monkeypatch):
-    """Records, per tensor of each ``fused.group_update`` call, whether the kernel was given the
+    """Records, per tensor of each ``kernels.group_update`` call, whether the kernel was given the
     parameters."""
     calls = []
-    group_update = fused.group_update
+    group_update = kernels.group_update
 
     def spy(*args, applies=None, **kwargs):
         calls.extend(apply is not None for apply in applies)
         return group_update(*args, applies=applies, **kwargs)
 
-    monkeypatch.setattr(fused, "group_update", spy)
+    monkeypatch.setattr(kernels, "group_update", spy)
     return calls
 
 
@@ -101,10 +101,9 @@ GRAFTS = {"lag": dict(graft_lag=True), "none": dict(graft="none"), "exact": dict
 def test_kernel_apply_equals_update_then_apply_updates(
     x64, band, kernel, graft, monkeypatch, kernel_spy
 ):
-    monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
-    monkeypatch.setattr(fused, "BANDED_TILE", (16, 64, 2))
     params, grads = _problem(SHAPES)
     kwargs = dict(band=band, weight_decay=0.1, mask=_matrices, stats_dtype=jnp.float64)
+    kwargs["kernel_config"] = KernelConfig(scan_tile=(16, 64, 2), banded_tile=(16, 64, 2))
     tx = optim.sonew(SCHEDULE, implementation="pallas", **kwargs, **GRAFTS[graft])
     (expect_p, expect_s), (got_p, got_s) = _both_paths(tx, params, grads)
     _assert_close(expect_p, got_p, 1e-13)
@@ -122,9 +121,11 @@ def test_kernel_apply_with_bf16_parameters(monkeypatch):
     """bf16 parameters and gradients, float32 statistics: the kernel rounds ``p + (r u + decay p)
     scale`` once, where optax rounds the update to bf16 first and then the sum: the paths may
     differ by a bf16 rounding (0.4%) in a few elements."""
-    monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
     params, grads = _problem({"mat": (70, 130)}, dtype=jnp.bfloat16)
-    tx = optim.sonew(1e-2, implementation="pallas", graft_lag=True, weight_decay=0.1)
+    config = KernelConfig(scan_tile=(16, 64, 2))
+    tx = optim.sonew(
+        1e-2, implementation="pallas", graft_lag=True, weight_decay=0.1, kernel_config=config
+    )
     (expect_p, expect_s), (got_p, got_s) = _both_paths(tx, params, grads)
     _assert_close(expect_p, got_p, 1e-2)
     _assert_close(expect_s, got_s, 1e-5)

@@ -25,8 +25,6 @@ import sharded_update
 import train_step
 import update_speed
 
-from sonew_pax.optim import fused
-
 TINY = ["--scale", "0.0078125", "--layers", "1"]
 
 
@@ -56,22 +54,21 @@ def test_lm_shapes_full_size_and_specs():
 def test_update_speed_schema(tmp_path, monkeypatch):
     out = tmp_path / "update_speed.json"
     argv = [*TINY, "--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "2"]
-    argv += ["--profile_steps", "1", "--fused", "_BANDED_MIN_ROWS=16"]
-    saved, built = fused._BANDED_MIN_ROWS, []
+    argv += ["--profile_steps", "1", "--kernel", "banded_min_rows=16"]
+    built = []
     make = update_speed.make_optimizer
 
-    def spy(name):
-        built.append((name, fused._BANDED_MIN_ROWS))
-        return make(name)
+    def spy(name, config=None):
+        built.append((name, config.banded_min_rows))
+        return make(name, config)
 
     monkeypatch.setattr(update_speed, "make_optimizer", spy)
     written = _read(out, update_speed.main([*argv, "--out", str(out)]))
     # conftest.py sets XLA_FLAGS (8 CPU devices): the result says what the timings ran under.
     assert written["config"]["xla_flags"] == os.environ["XLA_FLAGS"]
-    # --fused holds while each timed optimizer is built and run, and is restored after.
+    # --kernel builds each timed optimizer's KernelConfig, and the result records it.
     assert built[-2:] == [("adamw", 16), ("sonew_tridiag", 16)]
-    assert written["config"]["fused"] == {"_BANDED_MIN_ROWS": "16"}
-    assert saved == fused._BANDED_MIN_ROWS
+    assert written["config"]["kernel"] == {"banded_min_rows": "16"}
     rows = {row["optimizer"]: row for row in written["rows"]}
     assert set(rows) == {"copy", "adamw", "sonew_tridiag"}
     for row in rows.values():
@@ -170,16 +167,16 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "2",
             "--profile_families",
             "50",
-            "--fused",
-            "BANDED_TILE=(16, 64, 2)",
-            "--fused",
-            "_BANDED_MIN_ROWS=8",
+            "--kernel",
+            "banded_tile=(16, 64, 2)",
+            "--kernel",
+            "banded_min_rows=8",
             "--concurrent",
         ]
     )
     child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
     assert child.worker == "adamw" and child.row_out == tmp_path / "r.json"
-    assert child.fused == args.fused == [("BANDED_TILE", (16, 64, 2)), ("_BANDED_MIN_ROWS", 8)]
+    assert child.kernel == args.kernel == [("banded_tile", (16, 64, 2)), ("banded_min_rows", 8)]
     for name in (
         "model",
         "dtype",
@@ -271,14 +268,13 @@ def test_profile_update_schema(tmp_path):
 
 
 def test_profile_update_band1_tiles(tmp_path, monkeypatch):
-    """One row per (tile, stack, optimizer), each profiled with its tile and stack as the scan's
-    defaults into a trace folder of its own; the defaults are restored. (The profiling itself is
-    a stub: test_profile_update_schema runs it; two real profiles here took 20 s of CI.)"""
-    default = fused.SCAN_TILE, fused.SCAN_STACK
+    """One row per (tile, stack, optimizer), each profiled with its tile and stack in the scan's
+    KernelConfig into a trace folder of its own. (The profiling itself is a stub:
+    test_profile_update_schema runs it.)"""
     seen = []
 
-    def stub(name, shapes, grads, args, trace_dir):
-        seen.append((fused.SCAN_TILE, fused.SCAN_STACK, trace_dir))
+    def stub(name, shapes, grads, args, trace_dir, config):
+        seen.append((config.scan_tile, config.scan_stack, trace_dir))
         return _stub_row(name)
 
     monkeypatch.setattr(profile_update, "profile_optimizer", stub)
@@ -294,7 +290,6 @@ def test_profile_update_band1_tiles(tmp_path, monkeypatch):
         ((8, 32, 2), 2, traces / labels[0]),
         ((16, 64, 4), 2, traces / labels[1]),
     ]
-    assert default == (fused.SCAN_TILE, fused.SCAN_STACK)
     for bad in (["--scan_stacks", "3"], ["--scan_stacks", "x"]):
         with pytest.raises(SystemExit):
             profile_update.parse_args(bad)
@@ -305,27 +300,25 @@ def _stub_row(name: str) -> dict:
     return dict(optimizer=name, wall_ms=1.0, busy_ms=0.0, idle_ms=1.0, kernels=0, families=[])
 
 
-def test_profile_update_sets_fused_constants(tmp_path, monkeypatch):
-    """--fused NAME=VALUE holds for every profiled row, is recorded in the config and restored
-    after; a name that is not a constant of fused, or a value of another type, is refused."""
-    saved = fused.BANDED_TILE, fused._BANDED_MIN_ROWS
+def test_profile_update_builds_the_kernel_config(tmp_path, monkeypatch):
+    """--kernel FIELD=VALUE configures every profiled row's kernels and is recorded in the
+    config; a name that is not a field of KernelConfig, or a value of another type, is refused."""
     seen = []
 
-    def stub(name, *args):  # the profiling itself: test_profile_update_schema
-        seen.append((fused.BANDED_TILE, fused._BANDED_MIN_ROWS))
+    def stub(name, shapes, grads, args, directory, config):  # test_profile_update_schema profiles
+        seen.append((config.banded_tile, config.banded_min_rows))
         return _stub_row(name)
 
     monkeypatch.setattr(profile_update, "profile_optimizer", stub)
     argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "0", "--iters", "1", *TINY]
-    argv += ["--fused", "_BANDED_MIN_ROWS=16", "--fused", "BANDED_TILE=(64, 64, 2)"]
+    argv += ["--kernel", "banded_min_rows=16", "--kernel", "banded_tile=(64, 64, 2)"]
     out = tmp_path / "p.json"
     written = _read(out, profile_update.main([*argv, "--out", str(out)]))
     assert seen == [((64, 64, 2), 16)] * 2
-    assert written["config"]["fused"] == {"_BANDED_MIN_ROWS": "16", "BANDED_TILE": "(64, 64, 2)"}
-    assert saved == (fused.BANDED_TILE, fused._BANDED_MIN_ROWS)
-    for bad in ("NOPE=1", "_BANDED_MIN_ROWS", "_BANDED_MIN_ROWS=16.0", "BANDED_TILE=[64]", "x=1"):
+    assert written["config"]["kernel"] == {"banded_min_rows": "16", "banded_tile": "(64, 64, 2)"}
+    for bad in ("NOPE=1", "banded_min_rows", "banded_min_rows=16.0", "banded_tile=[64]", "x=1"):
         with pytest.raises(SystemExit):
-            profile_update.parse_args(["--fused", bad])
+            profile_update.parse_args(["--kernel", bad])
 
 
 def test_step_counts_must_be_whole_and_large_enough():
@@ -391,9 +384,9 @@ def test_lowering_counts_one_walk_program_per_shape(tmp_path, monkeypatch):
     """Lowered for CUDA on the CPU, band 4's update launches a walk per tensor but lowers one
     Triton program per tensor shape, also with the halo rows in many launches (two arrays each
     here); AdamW lowers none."""
-    monkeypatch.setattr(fused, "_HALO_GROUP", 2)
     out = tmp_path / "lowering.json"
     argv = [*TINY[:2], "--layers", "2", "--optimizers", "adamw,sonew_band4_lag_pallas"]
+    argv += ["--kernel", "halo_group=2"]
     written = _read(out, lowering.main([*argv, "--out", str(out)]))
     adamw, band4 = written["rows"]
     assert adamw["launches"] == adamw["programs"] == 0 and adamw["programs_by_kernel"] == {}

@@ -1,15 +1,15 @@
 """SONew's update under XLA's concurrent command-buffer scheduling equals its update without it.
 
 With ``XLA_FLAGS=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT`` XLA may run independent
-kernels of an update at the same time (on an H100 band 4's update, with its longer chunks under the
-flags, kept the device busy 30% less time: benchmarks/README.md, version 18). Every tensor's step
+kernels of an update at the same time (the opt-in schedule of ``KernelConfig(concurrent=True)``,
+whose bands >= 2 walk longer chunks). Every tensor's step
 kernel overwrites the state that a halo kernel read just before, in place, so the result is only
 right if XLA orders the two by their buffers. Two subprocesses run the same jitted, donated updates
 (bands 1 and 4, the fused apply, several tensors of one shape that share launches, a tensor of
 several row chunks), one under the flags, and their results must be equal bit for bit. On a GPU the
 kernels run concurrently; on the CPU (the XLA path) the flags do nothing, and the test checks that
 this jax's XLA accepts them. A third process asks for the same schedule for its update's executable
-alone (``optim.concurrent_jit``, no flags), which also picks band 4's chunks.
+alone (``kernels.CONCURRENT_OPTIONS`` as its compile options, no flags).
 """
 
 import os
@@ -27,27 +27,26 @@ CONCURRENT = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_grap
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 
 # Writes the parameters after 3 updates of each band to the .npz file named by argv[1], the
-# updates jitted by optim.concurrent_jit if argv[2] is "scoped".
+# updates compiled with kernels.CONCURRENT_OPTIONS if argv[2] is "scoped".
 UPDATES = """
+import functools
 import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
 from sonew_pax import optim
-from sonew_pax.optim import fused
+from sonew_pax.optim import kernels
 
-# Band 4's chunks as under the flags (fused.concurrent_launches), in every process: the same
-# kernels, launched one after another or at once.
-scoped = sys.argv[2] == "scoped"
-if not scoped:
-    fused.BANDED_TILE, fused._BANDED_PROGRAMS = fused.CONCURRENT_BANDED_TILE, 1
-jit = optim.concurrent_jit if scoped else jax.jit
+# The concurrent configuration's kernels in every process, launched one after another or at once.
+config = optim.KernelConfig(concurrent=True)
+options = kernels.CONCURRENT_OPTIONS if sys.argv[2] == "scoped" else None
+jit = functools.partial(jax.jit, compiler_options=options)
 shapes = {f"w{k}": (96, 64) for k in range(3)} | {"tall": (600, 32), "bias": (48,)}
 rng = np.random.default_rng(0)
 out = {}
 for band in (1, 4):
     params = {k: jnp.asarray(rng.normal(size=s), jnp.float32) for k, s in shapes.items()}
-    tx = optim.sonew(1e-2, band=band, graft_lag=True, weight_decay=0.1)
+    tx = optim.sonew(1e-2, band=band, graft_lag=True, weight_decay=0.1, kernel_config=config)
     state = tx.init(params)
     step = jit(lambda p, s, g: optim.apply_gradients(tx, g, s, p), donate_argnums=(0, 1))
     for _ in range(3):
@@ -58,10 +57,10 @@ np.savez(sys.argv[1], **out)
 """
 
 
-def _updates(path: Path, extra_flags: str, jit: str = "jax.jit") -> dict[str, np.ndarray]:
+def _updates(path: Path, extra_flags: str, jit: str = "serial") -> dict[str, np.ndarray]:
     """The parameters :data:`UPDATES` writes, run in a subprocess with :data:`DETERMINISTIC` and
-    ``extra_flags`` added to this process's ``XLA_FLAGS`` (``jit="scoped"``: jitted by
-    ``optim.concurrent_jit``)."""
+    ``extra_flags`` added to this process's ``XLA_FLAGS`` (``jit="scoped"``: compiled with
+    ``kernels.CONCURRENT_OPTIONS``)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {DETERMINISTIC} {extra_flags}".strip()
     done = subprocess.run(

@@ -25,7 +25,6 @@ import pytest
 
 from sonew_pax import optimizers, train, train_state
 from sonew_pax.models import Transformer
-from sonew_pax.optim import fused
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LAUNCH = REPO / "launch"
@@ -197,27 +196,6 @@ def test_slurm_dry_run_sets_the_coordinator_from_the_first_node(tmp_path):
     assert "srun --kill-on-bad-exit=1" in result.stdout
     assert "-m sonew_pax.train --gin_file=tiny.gin" in result.stdout
     assert "--gin.TRAIN_STEPS=5" in result.stdout
-
-
-def test_slurm_concurrent_launches_add_the_scheduling_flag(tmp_path):
-    scontrol = tmp_path / "scontrol"
-    scontrol.write_text("#!/bin/sh\necho node-1\n")
-    scontrol.chmod(0o755)
-    env = SLURM_ENV | {"DRY_RUN": "1", "XLA_FLAGS": "--xla_dump_to=/tmp/x"}
-
-    def flags(value: str) -> subprocess.CompletedProcess:
-        return run_script(
-            "slurm_gpu.sbatch", env=env | {"CONCURRENT_LAUNCHES": value}, path_prefix=f"{tmp_path}:"
-        )
-
-    assert "XLA_FLAGS=--xla_dump_to=/tmp/x\n" in flags("0").stdout
-    on = flags("1")
-    assert on.returncode == 0, on.stderr
-    # What fused.concurrent_launches reads (band >= 2 kernels then walk longer row chunks).
-    expect = f"{fused.CONCURRENT_FLAG}=CONCURRENT --xla_gpu_graph_min_graph_size=1"
-    assert f"XLA_FLAGS=--xla_dump_to=/tmp/x {expect}\n" in on.stdout
-    bad = flags("yes")
-    assert bad.returncode == 2 and "CONCURRENT_LAUNCHES=yes: use 0 or 1" in bad.stderr
 
 
 def test_slurm_without_a_venv_fails_early():

@@ -3,7 +3,7 @@
 Depends on jax and optax only.
 """
 
-from sonew_pax.optim.fused import concurrent_jit
+from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.sharding import specs_of, state_partition_specs
 from sonew_pax.optim.sonew import (
     DEFAULT_EPS,
@@ -19,11 +19,11 @@ __all__ = [
     "DEFAULT_EPS",
     "DEFAULT_GAMMA",
     "GradientTransformationWithApply",
+    "KernelConfig",
     "ScaleBySONewLagState",
     "ScaleBySONewState",
     "apply_gradients",
     "chain",
-    "concurrent_jit",
     "scale_by_sonew",
     "sonew",
     "specs_of",

@@ -1,13 +1,11 @@
 """``a * b + c`` for the math ``pointwise`` and ``solve`` share: one rounding in the GPU kernels.
 
 The XLA path and Pallas' interpreter compute :func:`madd` as written, ``a * b + c``. The Triton
-kernels, as XLA compiles them, keep every multiply and add apart: band 4's walk ran 181 ``FMUL``
-and 81 ``FADD`` per row and no ``FFMA`` (results/ncu_band4_sass_h100.json), a multiply and an
-add each waiting on the last where one fused instruction would do. Within :func:`contracted`
-(``fused`` traces its banded walk there for NVIDIA GPUs) :func:`madd` of float32 or float64
-values is PTX's ``fma.rn`` instead: ``a * b + c`` rounded once. The kernels' results then differ
-from the XLA path's within float rounding. ``fused.FMA`` says which kernels trace within it, and
-what it gained.
+kernels, as XLA compiles them, keep every multiply and add apart, each waiting on the last where
+one fused instruction would do. Within :func:`contracted` (the banded walk is traced there for
+NVIDIA GPUs, ``kernels.KernelConfig.fma``) :func:`madd` of float32 or float64 values is PTX's
+``fma.rn`` instead: ``a * b + c`` rounded once. The kernels' results then differ from the XLA
+path's within float rounding.
 
 :func:`subtract_products` is ``c - sum_k a_k b_k``, the form of every sum in the window solve
 (``solve.window_solve``): a chain of :func:`madd` within :func:`contracted`.

@@ -5,7 +5,7 @@ stored state at ``j - 1``, ``j`` and ``j + 1`` only (Theorem 1 in closed form). 
 those values as arrays -- however they were obtained -- and return the step's outputs:
 
 * the XLA path (``sonew.py``) passes whole tensors and their chain shifts (``chain.shift``);
-* the Pallas kernel (``fused.py``) passes the blocks it loaded at ``j`` and at the chain neighbours
+* the Pallas kernels (``kernels``) pass the blocks they loaded at ``j`` and at the chain neighbours
   of ``j``.
 
 So the two implementations cannot drift apart: they differ only in how values reach registers.

@@ -39,8 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sonew_pax.optim import fused, pointwise, sharding, solve
+from sonew_pax.optim import kernels as pallas
+from sonew_pax.optim import pointwise, sharding, solve
 from sonew_pax.optim.chain import ChainLayout, merge_pairs, norms, parallel, run, shift, shift_many
+from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
 from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
 from sonew_pax.optim.transform import GradientTransformationWithApply
@@ -171,8 +173,8 @@ def _preconditioned(ndim: int, precondition_1d: bool) -> bool:
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
 
 
-def _kernels_enabled(implementation: str, mesh: Any) -> bool:
-    """Whether the Pallas kernels (``fused.py``) may run.
+def _kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
+    """``config`` where the Pallas kernels (``kernels``) may run, else ``None`` (XLA only).
 
     ``"pallas"``: on any backend (off GPU in Pallas' interpreter: slow, for tests). ``"auto"``: on
     GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the device) or on a
@@ -181,8 +183,10 @@ def _kernels_enabled(implementation: str, mesh: Any) -> bool:
     ``"xla"``: never.
     """
     if implementation != "auto":
-        return implementation == "pallas"
-    return jax.default_backend() == "gpu" and (mesh is not None or jax.device_count() == 1)
+        enabled = implementation == "pallas"
+    else:
+        enabled = jax.default_backend() == "gpu" and (mesh is not None or jax.device_count() == 1)
+    return config if enabled else None
 
 
 def _banded_step(
@@ -262,30 +266,30 @@ def _leaf_steps(
     applies: list,
     corrections,
     hyper: Hyper,
-    kernels: bool,
+    kernels: KernelConfig | None,
 ) -> list[tuple]:
     """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e``, lagged
     ratios and layouts, each a list over the tensors): with ``kernels``
-    (:func:`_kernels_enabled`) the steps of the tensors (or shards) where ``fused.supported`` as
+    (:func:`_kernels_enabled`) the steps of the tensors (or shards) where ``kernels.supported`` as
     Pallas kernels (bands >= 1 with their state's ``halos``, :func:`_halos`, and their chain
     neighbours beyond the block, ``edges``, :func:`_edges`; with ``applies[k]``,
-    ``fused.Apply``, writing the parameters in ``u``'s
-    place), where the tensors of one ``fused.launch_key`` share launches
-    (``fused.group_update``, ``fused.launch_group`` tensors each); :func:`_leaf_step` on XLA
+    ``kernels.Apply``, writing the parameters in ``u``'s
+    place), where the tensors of one ``kernels.launch_key`` share launches
+    (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
     for the others."""
     grads, m, d, e, _, layouts = leaves
     steps: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
         if _on_kernel(kernels, lay, _band(ei), hyper):
-            groups.setdefault(fused.launch_key(g, m[k], d[k], ei, apply), []).append(k)
+            groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
             steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay)
     for (shape, band, *_), members in groups.items():
-        size = fused.launch_group(shape, band)
+        size = pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
             part = members[start : start + size]
-            results = fused.group_update(
+            results = pallas.group_update(
                 *([x[k] for k in part] for x in (grads, m, d, e)),
                 corrections,
                 hyper,
@@ -293,6 +297,7 @@ def _leaf_steps(
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
                 applies=[applies[k] for k in part],
+                config=kernels,
             )
             for k, result in zip(part, results, strict=True):
                 steps[k] = result
@@ -314,18 +319,20 @@ def _empty(layout: ChainLayout) -> bool:
     return math.prod(layout.shape) == 0
 
 
-def _on_kernel(kernels: bool, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
+def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
     """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
     return (
-        kernels
+        kernels is not None
         and not _empty(layout)
         and _preconditioned(len(layout.shape), hyper.precondition_1d)
-        and fused.supported(layout, band)
+        and pallas.supported(layout, band, kernels)
     )
 
 
-def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool) -> list:
-    """The halo rows of every kernel tensor's ``(m, d, e)`` (bands >= 1; ``fused.gather_halos``),
+def _halos(
+    m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: KernelConfig | None
+) -> list:
+    """The halo rows of every kernel tensor's ``(m, d, e)`` (bands >= 1; ``kernels.gather_halos``),
     gathered together before any step kernel overwrites its state: a few launches per model
     instead of one per tensor. ``None`` for the other tensors."""
     bands = [_band(ei) for ei in e]  # 0 where a tensor has no off-diagonals (1-D)
@@ -337,19 +344,21 @@ def _halos(m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: bool
     for band in sorted({b for b, flag in zip(bands, on, strict=True) if flag}):
         members = [k for k, flag in enumerate(on) if flag and bands[k] == band]
         arrays = [x for k in members for x in (m[k], d[k], e[k])]
-        shapes = [fused.local_shape(layouts[k]) for k in members for _ in range(3)]
+        shapes = [pallas.local_shape(layouts[k]) for k in members for _ in range(3)]
         gathered = iter(
-            fused.gather_halos(arrays, band=band, shapes=shapes, interpret=_interpret())
+            pallas.gather_halos(
+                arrays, band=band, shapes=shapes, interpret=_interpret(), config=kernels
+            )
         )
         for k in members:
             halos[k] = tuple(next(gathered) for _ in range(3))
     return halos
 
 
-def _edges(leaves: list[list], hyper: Hyper, kernels: bool) -> list:
-    """The ``edges`` input (``fused.Edges``) of every band >= 1 kernel tensor, ``None`` for the
+def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> list:
+    """The ``edges`` input (``kernels.Edges``) of every band >= 1 kernel tensor, ``None`` for the
     others: those of the tensors of one layout, band and statistics dtype built together
-    (``fused.kernel_edges``). Sharded, the slabs of all tensors that go the same way travel
+    (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go the same way travel
     together: one collective-permute per mesh axes, direction and round (``chain.run``), whatever
     the number of tensors."""
     grads, m, d, e, _, layouts = leaves
@@ -358,7 +367,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: bool) -> list:
         if _band(ei) >= 1 and _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault((lay, _band(ei), jnp.dtype(d[k].dtype)), []).append(k)
     programs = [
-        fused.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
+        pallas.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
         for (layout, _, _), members in groups.items()
     ]
     edges: list = [None] * len(grads)
@@ -439,16 +448,23 @@ def _ratio_before_step(hyper: Hyper, lagged: Any) -> Any:
 
 
 def _kernel_apply(
-    apply: _Apply | None, p, decayed, e, lagged, hyper: Hyper, layout: ChainLayout, kernels: bool
-) -> fused.Apply | None:
-    """The ``fused.Apply`` of a tensor whose kernel writes its parameters: one on the kernels whose
-    graft ratio is known before the step (:func:`_ratio_before_step`); else ``None``."""
+    apply: _Apply | None,
+    p,
+    decayed,
+    e,
+    lagged,
+    hyper: Hyper,
+    layout: ChainLayout,
+    kernels: KernelConfig | None,
+) -> pallas.Apply | None:
+    """The ``kernels.Apply`` of a tensor whose kernel writes its parameters: one on the kernels
+    whose graft ratio is known before the step (:func:`_ratio_before_step`); else ``None``."""
     if apply is None:
         return None
     ratio = _ratio_before_step(hyper, lagged)
     if ratio is None or not _on_kernel(kernels, layout, _band(e), hyper):
         return None
-    return fused.Apply(p, ratio, apply.weight_decay, apply.scale, decayed)
+    return pallas.Apply(p, ratio, apply.weight_decay, apply.scale, decayed)
 
 
 class _Apply(NamedTuple):
@@ -478,6 +494,7 @@ def scale_by_sonew(
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
+    kernel_config: KernelConfig = pallas.DEFAULT,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -514,17 +531,16 @@ def scale_by_sonew(
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
         1e-3 of each entry), but Adam's and SONew's ``1 / d`` scaling should not see it. With
         both in bf16, tridiag state is 2 + 4 + 2 = 8 bytes per parameter instead of 12.
-      implementation: ``"auto"`` (default): on GPU, the step of every tensor that lives whole on
-        its device as Pallas (Triton) kernels that update the state in place (``fused.py``; on an
-        H100 tridiag's update of the LM set with ``graft_lag`` takes 1.44x AdamW's device time,
-        where XLA's tridiag takes 3.1x; band 4's 3.85x, on an H200 XLA's 11.7x;
-        ``benchmarks/README.md``), when ``mesh`` is given or the process has one device (without a
-        mesh, several devices' arrays may be sharded by the caller's ``jit``, which cannot
-        partition a kernel); XLA elsewhere: for sharded tensors, bands above
-        ``fused.MAX_KERNEL_BAND`` (4), and bands ``b >= 2`` on 1-D tensors or tensors with fewer
-        than ``2b`` rows along axis 0. ``"xla"``: never the
-        kernels; ``"pallas"``: the kernels wherever they apply, also off GPU (in Pallas'
-        interpreter: slow, for tests). Results agree to float rounding.
+      implementation: ``"auto"`` (default): on GPU, the step of every tensor (or, under
+        ``mesh``, every shard) as Pallas (Triton) kernels that update the state in place
+        (``kernels``; on a sharded tensor each device runs them on its block, its chain
+        neighbours exchanged with the other shards), when ``mesh`` is given or the process has
+        one device (without a mesh, several devices' arrays may be sharded by the caller's
+        ``jit``, which cannot partition a kernel); XLA elsewhere: bands above
+        ``kernel_config.max_band``, and blocks with fewer rows along axis 0 than the step reads
+        beyond them (``2b - 1`` for bands ``b >= 2``). ``"xla"``: never the kernels;
+        ``"pallas"``: the kernels wherever they apply, also off GPU (in Pallas' interpreter:
+        slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
         ratio ``||adam|| / ||u||`` of step ``t - 1`` (one scalar per tensor, kept in the state,
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
@@ -532,6 +548,8 @@ def scale_by_sonew(
         (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
         are unaffected. On the autoencoder benchmark 0.016 worse on average over 4 seeds (within
         the seeds' spread); it is what lets the kernels apply the update (module docstring).
+      kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); the default is
+        the fastest measured.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
@@ -603,7 +621,7 @@ def scale_by_sonew(
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
-        step = _make_step(hyper, mesh, param_specs, implementation)
+        step = _make_step(hyper, mesh, param_specs, implementation, kernel_config)
         # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio.
         ratio = state.ratio if graft_lag else jax.tree.map(lambda _: optax.MaskedNode(), updates)
         out, m, d, e, ratio = step(updates, state.m, state.d, state.e, ratio, corrections, apply)
@@ -639,12 +657,14 @@ def scale_by_sonew(
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
 
 
-def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -> Callable:
+def _make_step(
+    hyper: Hyper, mesh: Any, param_specs: Any, implementation: str, kernel_config: KernelConfig
+) -> Callable:
     """The whole-tree step ``(updates, m, d, e, ratio, corrections, apply) -> (out, m, d, e,
     ratio)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with ``apply``
     (:class:`_Apply`) the new parameters, from the kernels where they know the graft ratio before
     the step (:func:`_ratio_before_step`), else ``pointwise.apply_update`` of ``u`` on XLA."""
-    kernels = _kernels_enabled(implementation, mesh)
+    kernels = _kernels_enabled(implementation, mesh, kernel_config)
 
     def tree_step(updates, m, d, e, ratio, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)
@@ -691,9 +711,9 @@ def _make_step(hyper: Hyper, mesh: Any, param_specs: Any, implementation: str) -
 
         return step
 
-    # Pallas kernels (fused.py) declare plain output shapes, without the varying-axes type that
+    # Pallas kernels declare plain output shapes, without the varying-axes type that
     # shard_map's check wants; their replicated outputs come from replicated inputs alone.
-    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=not kernels)
+    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=kernels is None)
 
 
 def _explicit_mesh(updates: Any) -> Any:
@@ -731,6 +751,7 @@ def sonew(
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
+    kernel_config: KernelConfig = pallas.DEFAULT,
 ) -> GradientTransformationWithApply:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -772,6 +793,7 @@ def sonew(
         offdiag_dtype=offdiag_dtype,
         implementation=implementation,
         graft_lag=graft_lag,
+        kernel_config=kernel_config,
     )
     decayed = optax.add_decayed_weights(weight_decay, mask)
     rate = optax.scale_by_learning_rate(learning_rate)

@@ -1,4 +1,4 @@
-"""The Pallas kernel path (``fused.py``) equals the XLA path.
+"""The Pallas kernel path (``sonew_pax.optim.kernels``) equals the XLA path.
 
 Off GPU the kernel runs in Pallas' interpreter, so these tests check the kernel's indexing (chain
 neighbours, block edges, masks) and its per-block norms on CPU; on a GPU machine the same tests
@@ -6,6 +6,7 @@ compile it with Triton. Every comparison is against ``implementation="xla"``, it
 against the dense float64 reference in ``test_sonew_math.py``.
 """
 
+import dataclasses
 import functools
 import importlib
 import re
@@ -17,13 +18,14 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import apply_gradients, concurrent_jit, fused, sharding, sonew
+from sonew_pax.optim import apply_gradients, kernels, pointwise, sharding, sonew
 from sonew_pax.optim.chain import ChainLayout, edges, halo_width
 from sonew_pax.optim.chain import run as run_exchange
+from sonew_pax.optim.kernels import KernelConfig, banded, launch
 from tests.test_sonew_sharded import make_mesh, run
 
-# 1-D to 4-D; several tiles of fused.TILES (8 x 128 for band 0, 16 x 64 for band 1; the scan's
-# 64-column blocks of 8 or 16 rows, ``KERNELS``) with ragged last ones (and a last row chunk of
+# 1-D to 4-D; several tiles (8 x 128 for band 0; the scan's 64-column blocks of 8 or 16 rows,
+# ``KERNELS``) with ragged last ones (and a last row chunk of
 # one row), so row chunks read each other's edge rows from the halo copies; views with one row or
 # one column; size 1.
 SHAPES = {
@@ -108,7 +110,7 @@ def test_edges_of_shards_are_the_chain_neighbours_of_their_blocks(shape, spec):
     its block's first and last rows, with band 2's widths (2 rows before, 3 after)."""
     mesh = make_mesh((2, 4))
     layout = sharding.chain_layout(shape, spec, mesh)
-    local = fused.local_shape(layout)
+    local = kernels.local_shape(layout)
     before, after = 1, min(3, local[0])
     x = np.arange(1, np.prod(shape) + 1, dtype=np.float64).reshape(shape)
 
@@ -141,21 +143,25 @@ _KERNELS = [
     (1, "scan", 4, 3),
 ]
 KERNELS = pytest.mark.parametrize("band, kernel, stack, ahead", _KERNELS)
-# ... and bands 2 and 4 (``fused._band_scan_kernel``), for the tests whose tensors suit them all.
+# ... and bands 2 and 4 (``banded.banded_kernel``), for the tests whose tensors suit them all.
 ALL_KERNELS = pytest.mark.parametrize(
     "band, kernel, stack, ahead", [*_KERNELS, (2, "band", None, None), (4, "band", None, None)]
 )
 
 
+# Tiles small enough that the test tensors span several programs and row chunks.
+SMALL = KernelConfig(banded_tile=(8, 64, 2), scan_tile=(16, 64, 2))
+
+
 @pytest.fixture
-def use_kernel(monkeypatch):
-    def use(kernel: str, stack: int | None, ahead: int | None) -> None:
-        monkeypatch.setattr(fused, "BANDED_TILE", (8, 64, 2))
-        monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
-        if stack:
-            monkeypatch.setattr(fused, "SCAN_STACK", stack)
-        if ahead:
-            monkeypatch.setattr(fused, "SCAN_AHEAD", ahead)
+def use_kernel():
+    """``use(kernel, stack, ahead)``: :data:`SMALL`, with the scan's ``stack`` walks loading
+    ``ahead`` rows ahead where given."""
+
+    def use(kernel: str, stack: int | None, ahead: int | None) -> KernelConfig:
+        del kernel  # the band picks the kernel; the parameter names the case
+        changes = {"scan_stack": stack, "scan_ahead": ahead}
+        return dataclasses.replace(SMALL, **{k: v for k, v in changes.items() if v})
 
     return use
 
@@ -163,19 +169,21 @@ def use_kernel(monkeypatch):
 @KERNELS
 @pytest.mark.parametrize("graft", ["adam", "none"])
 def test_kernel_equals_xla(x64, band, kernel, stack, ahead, graft, use_kernel):
-    use_kernel(kernel, stack, ahead)
-    expect, got = _xla_and_kernels({**SHAPES, **SHAPES_1D}, band, graft)
+    config = use_kernel(kernel, stack, ahead)
+    expect, got = _xla_and_kernels({**SHAPES, **SHAPES_1D}, band, graft, config)
     _assert_close(expect, got, 1e-11)
 
 
-def _xla_and_kernels(shapes, band, graft):
+def _xla_and_kernels(shapes, band, graft, config):
     """``run``'s outputs on the XLA path and on the kernels, float64, through a hostile
     trajectory (``equal`` gradients make every window singular: every edge is cut)."""
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal", "zero", "normal"])
     kwargs = dict(band=band, graft=graft, precondition_1d=True, stats_dtype=jnp.float64)
     expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    return expect, run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    return expect, run(
+        sonew(0.1, implementation="pallas", kernel_config=config, **kwargs), params, grads
+    )
 
 
 @KERNELS
@@ -183,13 +191,15 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, stack, ahead, use_ke
     """float32 statistics with bf16 momentum and off-diagonals, bf16 gradients and parameters;
     the 1-D tensor takes the Adam direction (``precondition_1d=False``). Well-damped windows
     (``eps`` 0.1 against g^2 ~ 1): near-singular ones amplify the paths' different roundings."""
-    use_kernel(kernel, stack, ahead)
+    config = use_kernel(kernel, stack, ahead)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
     kwargs = dict(band=band, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
     expect_updates, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    got_updates, got_state = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    got_updates, got_state = run(
+        sonew(0.1, implementation="pallas", kernel_config=config, **kwargs), params, grads
+    )
     for a, b in zip(jax.tree.leaves(expect_state), jax.tree.leaves(got_state), strict=True):
         assert a.dtype == b.dtype
     # bf16 outputs: the paths may round a value to neighbouring bf16 numbers (0.4% apart), and a
@@ -199,11 +209,11 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, stack, ahead, use_ke
     _assert_close(expect_state, got_state, 1.5e-2)
 
 
-# Tensors for bands >= 2: 1-D to 4-D with at least 2 b - 1 rows along axis 0 (``fused.supported``),
-# in ``use_kernel``'s 8-row chunks of 64-column blocks (several of each, ragged last ones, a
-# one-row last chunk), whose walks run 3 b - 1 rows past their chunk and read the neighbouring
-# columns of the chain from the edges; one exactly 8 rows tall; one of a single column (no
-# neighbouring column). "short" is too short for band 4: it takes the XLA path there.
+# Tensors for bands >= 2: 1-D to 4-D with at least 2 b - 1 rows along axis 0
+# (``kernels.supported``), in ``use_kernel``'s 8-row chunks of 64-column blocks (several of each,
+# ragged last ones, a one-row last chunk), whose walks run 3 b - 1 rows past their chunk and read
+# the neighbouring columns of the chain from the edges; one exactly 8 rows tall; one of a single
+# column (no neighbouring column). "short" is too short for band 4: it takes the XLA path there.
 BANDED_SHAPES = {
     "mat": (41, 70),
     "deep": (9, 4, 5),
@@ -217,23 +227,23 @@ BANDED_SHAPES = {
 
 @pytest.fixture
 def banded_spy(monkeypatch):
-    """The shapes whose steps the banded kernel traced (``fused._step_call``'s cache is cleared
+    """The shapes whose steps the banded kernel traced (``launch.step_call``'s cache is cleared
     before and after, so every configuration traces anew)."""
     traced = []
-    kernel = fused._band_scan_kernel
+    kernel = banded.banded_kernel
 
     def spy(*refs, shape, **kwargs):
         traced.append(shape)
         kernel(*refs, shape=shape, **kwargs)
 
-    monkeypatch.setattr(fused, "_band_scan_kernel", spy)
-    fused._step_call.cache_clear()
+    monkeypatch.setattr(banded, "banded_kernel", spy)
+    launch.step_call.cache_clear()
     yield traced
-    fused._step_call.cache_clear()
+    launch.step_call.cache_clear()
 
 
 def _on_banded_kernel(shapes, band):
-    return {s for s in shapes.values() if fused.supported(ChainLayout.unsharded(s), band)}
+    return {s for s in shapes.values() if kernels.supported(ChainLayout.unsharded(s), band, SMALL)}
 
 
 # Without grafting the kernels skip the norms whatever the band: band 2 covers it (band 4's case
@@ -242,8 +252,8 @@ def _on_banded_kernel(shapes, band):
 def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     """Bands 2 to 4 through hostile steps: ``equal`` gradients make every window singular, so
     Algorithm 3 cuts every edge, and the steps after it solve windows near the tolerance."""
-    use_kernel("band", None, None)
-    expect, got = _xla_and_kernels(BANDED_SHAPES, band, graft)
+    config = use_kernel("band", None, None)
+    expect, got = _xla_and_kernels(BANDED_SHAPES, band, graft, config)
     # The near-singular windows after the cuts amplify the two paths' roundings (the kernel
     # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
     _assert_close(expect, got, 1e-9)
@@ -256,13 +266,13 @@ def test_band_halos_are_each_chunks_first_and_last_rows():
     each off-diagonal of ``e`` (a short chunk repeats its last or first row in the slots it does
     not fill: those are never read)."""
     # Band 2, a chunk of 16 rows and one of 4.
-    assert fused.band_halo_rows(20, 16, 2) == [0, 1, 2, 14, 15, 16, 17, 18, 18, 19]
+    assert kernels.band_halo_rows(20, 16, 2) == [0, 1, 2, 14, 15, 16, 17, 18, 18, 19]
     rng = np.random.default_rng(0)
     shape = (20, 3, 2)
     m, d = (jnp.asarray(rng.normal(size=shape), jnp.float32) for _ in range(2))
     e = jnp.asarray(rng.normal(size=(2, *shape)), jnp.bfloat16)
-    rows = fused.band_halo_rows(20, 16, 2)
-    halos = fused.gather_halos([m, d, e], 16, band=2, shapes=[shape] * 3, interpret=True)
+    rows = kernels.band_halo_rows(20, 16, 2)
+    halos = kernels.gather_halos([m, d, e], 16, band=2, shapes=[shape] * 3, interpret=True)
     assert [h.index for h in halos] == [0, 1, 0]  # m and d share a buffer; e has its own dtype
     for x, halo in zip((m, d, e), halos, strict=True):
         assert halo.buffer.dtype == x.dtype and halo.rows == 16
@@ -272,27 +282,29 @@ def test_band_halos_are_each_chunks_first_and_last_rows():
         np.testing.assert_array_equal(got, view[:, rows].reshape(-1))
 
 
-def test_gather_halos_packs_sub_arrays_within_int32(monkeypatch):
+def test_gather_halos_packs_sub_arrays_within_int32():
     """Band 2's halo launches count ``e``'s off-diagonals as sub-arrays: a launch holds no more
-    sub-arrays than int32 offsets reach (``_MAX_SIZE`` cut to 3 sub-arrays' halo rows here), the
+    sub-arrays than the kernels' offsets reach (``max_offset`` cut to 3 sub-arrays' halo rows), the
     launches of one kind of array are of one size, and every array's rows are where its ``Halo``
     says."""
     shape, band, rows = (20, 6), 2, 8
     per_sub = 3 * (3 * band - 1) * 6  # 3 chunks of 5 halo rows of 6 columns
-    monkeypatch.setattr(fused, "_MAX_SIZE", 3 * per_sub)
+    config = KernelConfig(max_offset=3 * per_sub)
     rng = np.random.default_rng(1)
     arrays = [
         jnp.asarray(rng.normal(size=(n, *shape) if n > 1 else shape), jnp.float32)
         for n in (1, 1, 2, 1, 1, 2)  # m, d, e of two tensors
     ]
-    halos = fused.gather_halos(arrays, rows, band=band, shapes=[shape] * 6, interpret=True)
+    halos = kernels.gather_halos(
+        arrays, rows, band=band, shapes=[shape] * 6, interpret=True, config=config
+    )
     # Two launches [m d] [m d] of the four one-sub-array arrays (three fit: two launches of two
     # beat three and one), and one per ``e``.
     assert [h.index for h in halos] == [0, 1, 0, 0, 1, 0]
     assert halos[0].buffer is halos[1].buffer and halos[3].buffer is halos[4].buffer
     assert len({id(h.buffer) for h in halos}) == 4
     assert {h.buffer.size for h in halos} == {2 * per_sub}
-    slots = fused.band_halo_rows(20, rows, band)
+    slots = kernels.band_halo_rows(20, rows, band)
     for x, halo in zip(arrays, halos, strict=True):
         expect = np.asarray(x).reshape(-1, 20, 6)[:, slots].reshape(-1)
         got = np.asarray(halo.buffer)[halo.index * per_sub :][: expect.size]
@@ -302,13 +314,15 @@ def test_gather_halos_packs_sub_arrays_within_int32(monkeypatch):
 def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
     """Band 4 with float32 statistics, bf16 momentum and off-diagonals, bf16 gradients and
     parameters (as ``test_kernel_with_bf16_storage_and_float32``)."""
-    use_kernel("band", None, None)
+    config = use_kernel("band", None, None)
     shapes = {k: BANDED_SHAPES[k] for k in ("mat", "deep", "vec")}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
     kwargs = dict(band=4, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
     expect_updates, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    got_updates, got_state = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    got_updates, got_state = run(
+        sonew(0.1, implementation="pallas", kernel_config=config, **kwargs), params, grads
+    )
     _assert_close(expect_updates, got_updates, 1.5e-2)
     _assert_close(expect_state, got_state, 1.5e-2)
     assert set(banded_spy) == {(41, 70), (9, 4, 5)}
@@ -317,21 +331,19 @@ def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
 @pytest.mark.parametrize("band, graft_lag", [(0, False), (1, False), (1, True), (2, True)])
 def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monkeypatch):
     """Same-shaped tensors of one dtype (and, for the fused apply, one ``decayed``) run in
-    launches of up to ``fused.launch_group`` tensors (2 here), each tensor's kernel on its own
+    launches of up to ``kernels.launch_group`` tensors (2 here), each tensor's kernel on its own
     state and parameters, as on XLA (the parameters too, with ``graft_lag``'s fused apply);
     another dtype, shape or (with the fused apply) weight-decay mask launches apart."""
-    monkeypatch.setattr(fused, "SCAN_TILE", (16, 64, 2))
-    monkeypatch.setattr(fused, "_MAX_GROUP", 2)
-    monkeypatch.setattr(fused, "_MAX_BANDED_GROUP", 2)
+    config = KernelConfig(scan_tile=(16, 64, 2), max_group=2, max_banded_group=2)
     launches = []
-    group_update = fused.group_update
+    group_update = kernels.group_update
 
     def spy(gs, *args, applies, **kwargs):
         flags = [None if a is None else a.decayed for a in applies]
         launches.append(tuple((g.dtype.name, f) for g, f in zip(gs, flags, strict=True)))
         return group_update(gs, *args, applies=applies, **kwargs)
 
-    monkeypatch.setattr(fused, "group_update", spy)
+    monkeypatch.setattr(kernels, "group_update", spy)
     shapes = {"a": (70, 130), "c": (70, 130), "b": (70, 130), "d": (33, 2, 3), "w": (70, 130)}
     rng = np.random.default_rng(0)
     params = {k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()}
@@ -343,7 +355,7 @@ def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monke
     def trajectory(implementation):
         tx = sonew(
             0.1, band=band, weight_decay=0.1, mask=mask, graft_lag=graft_lag,
-            stats_dtype=jnp.float64, implementation=implementation,
+            stats_dtype=jnp.float64, implementation=implementation, kernel_config=config,
         )  # fmt: skip
         p, state = params, tx.init(params)
         step = jax.jit(lambda p, s, g: apply_gradients(tx, g, s, p))
@@ -367,11 +379,11 @@ def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monke
 def test_group_update_rejects_tensors_of_different_launch_keys():
     """One launch serves one shape, dtype set and apply: a float32 and a bfloat16 momentum, or
     two shapes, are refused before any kernel is built."""
-    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
     g, e = jnp.zeros((16, 64)), jnp.zeros((1, 16, 64))
     for m2, g2 in ((g.astype(jnp.bfloat16), g), (jnp.zeros((8, 64)), jnp.zeros((8, 64)))):
         with pytest.raises(ValueError, match="different launch keys"):
-            fused.group_update(
+            kernels.group_update(
                 [g, g2], [g, m2], [g, g2 + 1], [e, e[:, : g2.shape[0]]], (0.1, 0.05), hyper,
                 interpret=True,
             )  # fmt: skip
@@ -382,16 +394,17 @@ def test_kernel_under_inject_hyperparams_and_vmap(x64, kernel, use_kernel):
     """Hyperparameters as arrays (``inject_hyperparams``), vmapped over runs with different
     learning rates and eps, as the autoencoder benchmark sweeps them (band 1's kernel, and band
     4's)."""
-    use_kernel(kernel, None, None)
+    config = use_kernel(kernel, None, None)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
 
     def make(implementation):
-        return optax.inject_hyperparams(sonew, static_args=("band",))(
+        return optax.inject_hyperparams(sonew, static_args=("band", "kernel_config"))(
             learning_rate=0.1,
             eps=1e-8,
             band=4 if kernel == "band" else 1,
             stats_dtype=jnp.float64,
             implementation=implementation,
+            kernel_config=config,
         )
 
     def trajectory(implementation, lrs, epss):
@@ -427,8 +440,8 @@ def test_kernel_norms_of_subnormal_directions(band, kernel, stack, ahead, use_ke
     """float32 directions whose entries are all subnormal (``|x| < 2^-126``, as the decayed
     moments of rarely lit MNIST pixels): every tile's (and every scan lane's) largest ``|x|`` is
     subnormal, whose reciprocal overflows. The kernels' norms stay finite and their graft ratios
-    equal the XLA path's (``fused._scale_floor``); without the floor this test fails on a GPU."""
-    use_kernel(kernel, stack, ahead)
+    equal the XLA path's (``program.scale_floor``); without the floor this test fails on a GPU."""
+    config = use_kernel(kernel, stack, ahead)
     shapes = {"mat": (70, 130), "cube": (3, 4, 5)}
     params = {k: jnp.zeros(s, jnp.float32) for k, s in shapes.items()}
     grads = [
@@ -441,7 +454,9 @@ def test_kernel_norms_of_subnormal_directions(band, kernel, stack, ahead, use_ke
     # rate of 1e30 makes the updates normal numbers.
     kwargs = dict(band=band, eps=1.0, graft_eps=1.0, stats_dtype=jnp.float32)
     expect, _ = run(sonew(1e30, implementation="xla", **kwargs), params, grads)
-    got, _ = run(sonew(1e30, implementation="pallas", **kwargs), params, grads)
+    got, _ = run(
+        sonew(1e30, implementation="pallas", kernel_config=config, **kwargs), params, grads
+    )
     for a in jax.tree.leaves(expect):
         assert np.abs(np.asarray(a)).max() > 0  # the XLA path keeps the subnormals
     _assert_close(expect, got, 1e-5)
@@ -451,14 +466,14 @@ def test_kernel_norms_of_subnormal_directions(band, kernel, stack, ahead, use_ke
 def kernel_spy(monkeypatch):
     """The (band, local shape) of every tensor whose step a kernel traced."""
     traced = []
-    real = fused.group_update
+    real = kernels.group_update
 
     def spy(gs, ms, ds, es, *args, **kwargs):
         band = 0 if isinstance(es[0], optax.MaskedNode) else es[0].shape[0]
         traced.extend((band, g.shape) for g in gs)
         return real(gs, ms, ds, es, *args, **kwargs)
 
-    monkeypatch.setattr(fused, "group_update", spy)
+    monkeypatch.setattr(kernels, "group_update", spy)
     return traced
 
 
@@ -468,7 +483,7 @@ def test_sharded_tensors_run_the_kernels_on_their_blocks(x64, band, use_kernel, 
     kernel on that block, with its edges from the neighbouring shards: rows, columns, both, a
     1-D vector, a replicated tensor; thinner blocks take the XLA path. The result equals the
     unsharded XLA path."""
-    use_kernel("band" if band > 1 else "scan", None, None)
+    config = use_kernel("band" if band > 1 else "scan", None, None)
     mesh = make_mesh((2, 4))
     shapes = {"cols": (9, 8), "rows": (16, 3), "both": (16, 12), "vec": (40,), "rep": (9, 7)}
     specs = {
@@ -479,18 +494,21 @@ def test_sharded_tensors_run_the_kernels_on_their_blocks(x64, band, use_kernel, 
         "rep": P(),
     }
     local = {"cols": (9, 2), "rows": (8, 3), "both": (8, 3), "vec": (5,), "rep": (9, 7)}
-    assert not fused.supported(ChainLayout((16, 8), (("data",), ()), (8, 1)), 2)  # 2 rows
-    assert fused.supported(ChainLayout((16, 8), (("data",), ()), (8, 1)), 1)
-    assert fused.supported(ChainLayout.unsharded((6, 7)), 3)  # 2 x 3 - 1 rows along axis 0
-    assert not fused.supported(ChainLayout.unsharded((6, 7)), 4)
-    assert fused.supported(ChainLayout.unsharded((42,)), 2)  # a 1-D view is one column
-    assert fused.supported(ChainLayout.unsharded((64, 7)), fused.MAX_KERNEL_BAND)
-    assert not fused.supported(ChainLayout.unsharded((64, 7)), fused.MAX_KERNEL_BAND + 1)
+    supported = functools.partial(kernels.supported, config=config)
+    assert not supported(ChainLayout((16, 8), (("data",), ()), (8, 1)), 2)  # 2 rows
+    assert supported(ChainLayout((16, 8), (("data",), ()), (8, 1)), 1)
+    assert supported(ChainLayout.unsharded((6, 7)), 3)  # 2 x 3 - 1 rows along axis 0
+    assert not supported(ChainLayout.unsharded((6, 7)), 4)
+    assert supported(ChainLayout.unsharded((42,)), 2)  # a 1-D view is one column
+    assert supported(ChainLayout.unsharded((64, 7)), config.max_band)
+    assert not supported(ChainLayout.unsharded((64, 7)), config.max_band + 1)
     params = {k: jnp.zeros(s, jnp.float64) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "normal", "equal", "normal"])
     kwargs = dict(band=band, eps=1e-4, precondition_1d=True, stats_dtype=jnp.float64)
     expect = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    tx = sonew(0.1, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs)
+    tx = sonew(
+        0.1, implementation="pallas", kernel_config=config, mesh=mesh, param_specs=specs, **kwargs
+    )
     got = run(tx, params, grads, mesh, specs)
     _assert_close(expect, got, 1e-11 if band <= 1 else 1e-9)
     rows_needed = max(halo_width(band))
@@ -508,7 +526,11 @@ def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypa
     (``shard_map`` knows which tensors are whole) or on one device, XLA without a mesh on several
     devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel)."""
     # (by module path: the package exports the function sonew(), not the module)
-    enabled = importlib.import_module("sonew_pax.optim.sonew")._kernels_enabled
+    enable = importlib.import_module("sonew_pax.optim.sonew")._kernels_enabled
+
+    def enabled(implementation, mesh):
+        return enable(implementation, mesh, kernels.DEFAULT) is not None
+
     mesh = make_mesh((2, 4))
     assert not enabled("xla", mesh) and enabled("pallas", None)
     assert enabled("auto", mesh) == (jax.default_backend() == "gpu")
@@ -531,18 +553,18 @@ def test_auto_off_gpu_is_the_xla_path():
         np.testing.assert_array_equal(a, b)
 
 
-def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
+def test_gather_halos_copies_every_chunks_edge_rows():
     """Each array's halo rows are its view's first and last row of every row chunk (the ragged
     last chunk's last row too); arrays of one view and dtype share launches of at most
-    ``_HALO_GROUP``."""
-    monkeypatch.setattr(fused, "_HALO_GROUP", 2)
+    ``halo_group``."""
+    config = KernelConfig(halo_group=2)
     rng = np.random.default_rng(0)
     shapes = [(70, 130), (70, 13, 10), (70, 130), (33, 6), (9,), (70, 130)]
     dtypes = [jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32, jnp.float32, jnp.float32]
     arrays = [jnp.asarray(rng.normal(size=s), t) for s, t in zip(shapes, dtypes, strict=True)]
-    halos = fused.gather_halos(arrays, rows=16, interpret=True)
+    halos = kernels.gather_halos(arrays, rows=16, interpret=True, config=config)
     for x, halo in zip(arrays, halos, strict=True):
-        num_rows, num_cols = fused.tile_view(x.shape)
+        num_rows, num_cols = kernels.tile_view(x.shape)
         view = np.asarray(x).reshape(num_rows, num_cols)
         firsts = list(range(0, num_rows, 16))
         lasts = [min(f + 16, num_rows) - 1 for f in firsts]
@@ -560,29 +582,29 @@ def test_gather_halos_copies_every_chunks_edge_rows(monkeypatch):
     assert len({id(h.buffer) for h in halos}) == 5
 
 
-def test_scan_kernel_rejects_blocks_smaller_than_its_lanes(monkeypatch):
-    """A scan block of ``SCAN_STACK`` walks by ``cols`` needs a lane per element: 4 walks of 16
+def test_scan_kernel_rejects_blocks_smaller_than_its_lanes():
+    """A scan block of ``scan_stack`` walks by ``cols`` needs a lane per element: 4 walks of 16
     columns are 64 elements for 128 lanes."""
-    monkeypatch.setattr(fused, "SCAN_STACK", 4)
+    update = functools.partial(kernels.leaf_update, config=KernelConfig(scan_stack=4))
     shape = (40, 64)
     m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
-    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
     with pytest.raises(ValueError, match="16 rows in 4 walks of 16 columns for 32 x 4 lanes"):
-        fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 16, 4))
-    fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 32, 4))
+        update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 16, 4))
+    update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 32, 4))
 
 
 def test_banded_kernel_rejects_halo_copies_beyond_int32():
     """Chunks of one row copy 3b - 1 rows of halo per row of the state: on a 50M-element tensor
-    band 4's copies pass int32 offsets, and the error says so (shapes only: nothing is
+    band 4's copies pass the kernels' offsets, and the error says so (shapes only: nothing is
     allocated)."""
     shape = (50_000, 1_000)
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     e = jax.ShapeDtypeStruct((4, *shape), jnp.float32)
-    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
+    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
 
     def step(g, m, d, e, tile):
-        return fused.leaf_update(g, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=tile)
+        return kernels.leaf_update(g, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=tile)
 
     with pytest.raises(ValueError, match=r"band 4 on \(50000, 1000\) in chunks of 1 rows"):
         jax.eval_shape(functools.partial(step, tile=(1, 128, 4)), spec, spec, spec, e)
@@ -593,21 +615,18 @@ def test_leaf_update_rejects_halos_of_another_tile():
     shape = (40, 8)
     m, d = jnp.zeros(shape), jnp.ones(shape)
     e = jnp.zeros((1, *shape))
-    halos = tuple(fused.gather_halos([m, d, e[0]], rows=4, interpret=True))
-    hyper = fused.pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
-    rows = fused.default_tile(1, shape)[0]
+    halos = tuple(kernels.gather_halos([m, d, e[0]], rows=4, interpret=True))
+    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    rows = kernels.default_tile(1, shape, kernels.DEFAULT)[0]
     with pytest.raises(ValueError, match=f"chunks of 4 rows, tile has {rows}"):
-        fused.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
+        kernels.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)
 
 
-def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
-    """The scan halves its rows (down to walks of ``_SCAN_MIN_WALK``) until a tensor has
-    ``_SCAN_LANES`` walks times columns; band 0 keeps its tile; the halos follow the step's
+def test_default_tile_shortens_the_walk_on_small_tensors():
+    """The scan halves its rows (down to walks of ``scan_min_walk``) until a tensor has
+    ``scan_lanes`` walks times columns; band 0 keeps its tile; the halos follow the step's
     rows."""
-    monkeypatch.setattr(fused, "SCAN_TILE", (128, 64, 2))
-    monkeypatch.setattr(fused, "SCAN_STACK", 4)
-    monkeypatch.setattr(fused, "_SCAN_LANES", 2**18)
-    monkeypatch.setattr(fused, "_SCAN_MIN_WALK", 8)
+    config = KernelConfig(scan_tile=(128, 64, 2), scan_stack=4, scan_lanes=2**18, scan_min_walk=8)
     # (rows, warps): each halving doubles the warps, up to one lane each (4 x 64 / 32).
     tiles = {
         (4096, 2048): (128, 2),  # walks of 32 rows: 128 x 2048 lanes
@@ -619,62 +638,38 @@ def test_default_tile_shortens_the_walk_on_small_tensors(monkeypatch):
         (100000,): (32, 8),  # one column
     }
     for shape, (rows, warps) in tiles.items():
-        assert fused.default_tile(1, shape) == (rows, 64, warps), shape
-        assert fused.default_tile(0, shape) == fused.TILE
+        assert kernels.default_tile(1, shape, config) == (rows, 64, warps), shape
+        assert kernels.default_tile(0, shape, config) == config.diagonal_tile
     # One walk per program: the walk is the block, already a lane per column on 2 warps.
-    monkeypatch.setattr(fused, "SCAN_STACK", 1)
-    assert fused.default_tile(1, (1024, 4096)) == (16, 64, 2)
-    assert fused.default_tile(1, (1024, 1024)) == (8, 64, 2)
-    # Bands >= 2 likewise, from BANDED_TILE's 64 rows down to 32.
-    monkeypatch.setattr(fused, "BANDED_TILE", (64, 128, 4))
-    monkeypatch.setattr(fused, "_BANDED_PROGRAMS", 512)
-    monkeypatch.setattr(fused, "_BANDED_MIN_ROWS", 32)
-    banded = {(1024, 4096): 64, (4096, 1024): 64, (1024, 1024): 32, (70, 130): 32}
-    for shape, expect in banded.items():
-        assert fused.default_tile(4, shape) == (expect, 128, 4), shape
+    one_walk = dataclasses.replace(config, scan_stack=1)
+    assert kernels.default_tile(1, (1024, 4096), one_walk) == (16, 64, 2)
+    assert kernels.default_tile(1, (1024, 1024), one_walk) == (8, 64, 2)
+    # Bands >= 2 likewise, from banded_tile's 64 rows down to 32.
+    config = dataclasses.replace(
+        config, banded_tile=(64, 128, 4), banded_programs=512, banded_min_rows=32
+    )
+    banded_rows = {(1024, 4096): 64, (4096, 1024): 64, (1024, 1024): 32, (70, 130): 32}
+    for shape, expect in banded_rows.items():
+        assert kernels.default_tile(4, shape, config) == (expect, 128, 4), shape
     # Four (1024, 1024) tensors a launch fill 512 programs with 64-row chunks.
-    monkeypatch.setattr(fused, "_MAX_BANDED_GROUP", 4)
-    assert fused.launch_group((1024, 1024), 4) == 4 and fused.launch_group((1024, 4096), 4) == 1
-    assert fused.default_tile(4, (1024, 1024)) == (64, 128, 4)
-    # Where XLA may launch the tensors' kernels at once, bands >= 2 take CONCURRENT_BANDED_TILE.
-    # The last scheduling flag counts; band 1's scan keeps its tiles.
-    flags = "--xla_force_host_platform_device_count=8 --xla_gpu_command_buffer_scheduling_mode="
-    monkeypatch.setenv("XLA_FLAGS", flags + "SERIALIZE " + flags + "CONCURRENT")
-    assert fused.concurrent_launches()
-    for shape in (*banded, (8, 3)):
-        assert fused.default_tile(4, shape) == fused.CONCURRENT_BANDED_TILE, shape
-    assert fused.default_tile(1, (1024, 1024)) == (8, 64, 2)
-    monkeypatch.setenv("XLA_FLAGS", flags + "CONCURRENT " + flags + "SERIALIZE")
-    assert not fused.concurrent_launches()
-    assert fused.default_tile(4, (1024, 1024)) == (64, 128, 4)
-    monkeypatch.delenv("XLA_FLAGS")
-    assert not fused.concurrent_launches()
+    grouped = dataclasses.replace(config, max_banded_group=4)
+    assert kernels.launch_group((1024, 1024), 4, grouped) == 4
+    assert kernels.launch_group((1024, 4096), 4, grouped) == 1
+    assert kernels.default_tile(4, (1024, 1024), grouped) == (64, 128, 4)
+    # Where the caller lets XLA run the tensors' kernels at once, bands >= 2 take
+    # concurrent_banded_tile on every tensor; band 1's scan keeps its tiles.
+    concurrent = dataclasses.replace(config, concurrent=True)
+    for shape in (*banded_rows, (8, 3)):
+        assert kernels.default_tile(4, shape, concurrent) == config.concurrent_banded_tile
+    assert kernels.default_tile(1, (1024, 1024), concurrent) == (8, 64, 2)
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
-    monkeypatch.setattr(fused, "_SCAN_LANES", 2**14)  # the second has 5 x 2048 lanes at 8 rows
-    assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 8]
-    monkeypatch.setattr(fused, "_SCAN_LANES", 2**12)  # 2 x 2048 lanes at 32 rows; the first, never
-    assert [h.rows for h in fused.gather_halos(arrays, interpret=True)] == [8, 32]
 
+    def halo_rows(lanes):
+        config_here = dataclasses.replace(config, scan_lanes=lanes)
+        return [h.rows for h in kernels.gather_halos(arrays, interpret=True, config=config_here)]
 
-def test_concurrent_jit_scopes_the_schedule_to_its_executable(monkeypatch):
-    """``concurrent_jit`` traces its function under ``concurrent_launches`` (bands >= 2 take
-    ``CONCURRENT_BANDED_TILE``) and hands XLA the options, which the caller's may override; the
-    process's other jits, traced before or after, keep the serial tiles."""
-    monkeypatch.delenv("XLA_FLAGS")
-
-    def tile(x):
-        return x + jnp.asarray(fused.default_tile(4, (1024, 1024)))
-
-    zero = jnp.zeros(3, jnp.int32)
-    serial = fused.default_tile(4, (1024, 1024))
-    assert serial != fused.CONCURRENT_BANDED_TILE
-    assert tuple(jax.jit(tile)(zero).tolist()) == serial
-    assert tuple(concurrent_jit(tile)(zero).tolist()) == fused.CONCURRENT_BANDED_TILE
-    assert tuple(jax.jit(tile)(zero + 0).tolist()) == serial and not fused.concurrent_launches()
-    # The options reach XLA (which checks the enum on every backend); the caller's win.
-    bad = {"xla_gpu_command_buffer_scheduling_mode": "SOMETIMES"}
-    with pytest.raises(Exception, match="SOMETIMES"):
-        concurrent_jit(tile, compiler_options=bad)(zero)
+    assert halo_rows(2**14) == [8, 8]  # the second has 5 x 2048 lanes at 8 rows
+    assert halo_rows(2**12) == [8, 32]  # 2 x 2048 lanes at 32 rows; the first, never
 
 
 @ALL_KERNELS
@@ -682,33 +677,33 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
     """Off GPU the tests run the kernels in the interpreter; this lowers the compiled path for
     CUDA (no GPU needed), so CI catches an op the Triton lowering lacks, and every kernel of a
     whole update (the halo gather of bands >= 1 too) picks the Triton backend, not Mosaic GPU. Three
-    tensors of one shape share one lowered kernel (``fused._step_call``), also with their halo
-    rows in launches of two (``fused.gather_halos``' equal launches): lowering one per tensor
-    took most of the LM set's first step. The banded walk's multiply-adds are PTX ``fma.rn``
-    (``fused.FMA``), the other kernels' not."""
+    tensors of one shape share one lowered kernel (``launch.step_call``), also with their halo
+    rows in launches of two (``kernels.gather_halos``' equal launches): lowering one per tensor
+    would dominate the first step. The banded walk's multiply-adds are PTX ``fma.rn``
+    (``KernelConfig.fma``), the other kernels' not."""
     from jax import export
 
-    use_kernel(kernel, stack, ahead)
+    config = dataclasses.replace(use_kernel(kernel, stack, ahead), halo_group=2)
     module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
     monkeypatch.setattr(module, "_interpret", lambda: False)
-    monkeypatch.setattr(fused, "_ptx", lambda: True)  # an NVIDIA GPU's compile
+    monkeypatch.setattr(launch, "ptx", lambda: True)  # an NVIDIA GPU's compile
 
-    monkeypatch.setattr(fused, "_HALO_GROUP", 2)
     params = {f"mat{k}": jnp.zeros((70, 130)) for k in range(3)} | {"vec": jnp.zeros((33,))}
     check = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     name = "sonew_diagonal" if band == 0 else f"sonew_band{band}_scan"
     expected = {name} | ({"sonew_halo"} if band >= 1 else set())
     # The optax update, and the fused apply (the kernels write the parameters: graft_lag).
+    make = functools.partial(sonew, 0.1, band=band, implementation="pallas", kernel_config=config)
     for tx, call in (
-        (sonew(0.1, band=band, implementation="pallas"), lambda tx, g, s, p: tx.update(g, s, p)),
-        (sonew(0.1, band=band, implementation="pallas", graft_lag=True), apply_gradients),
+        (make(), lambda tx, g, s, p: tx.update(g, s, p)),
+        (make(graft_lag=True), apply_gradients),
     ):
         state = tx.init(params)
         update = jax.jit(functools.partial(call, tx))
         exported = export.export(update, platforms=("cuda",), disabled_checks=[check])
         text = exported(params, state, params).mlir_module()
-        kernels = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
-        assert {name for _, name in kernels} == expected
-        assert {target for target, _ in kernels} == {"__gpu$xla.gpu.triton"}
+        calls = re.findall(r'custom_call @([\w$.]+)\(.*?name = "(\w+)"', text)
+        assert {called for _, called in calls} == expected
+        assert {target for target, _ in calls} == {"__gpu$xla.gpu.triton"}
         assert ("fma.rn.f32" in text) == (band >= 2)
-        assert [found for _, found in kernels].count(name) == 1
+        assert [called for _, called in calls].count(name) == 1

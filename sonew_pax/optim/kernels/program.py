@@ -1,0 +1,122 @@
+"""What every step kernel shares: its scalar input, its outputs, its norm pairs, its binding."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from sonew_pax.optim import fma, pointwise
+from sonew_pax.optim.fma import madd
+
+# The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
+# all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
+# the same array for every tensor of an update, which XLA builds once.
+SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
+APPLY_SCALARS = ("weight_decay", "scale")
+
+
+class Apply(NamedTuple):
+    """The fused apply of one tensor: the kernel writes ``params`` in place with
+    ``pointwise.apply_update(params, u, ratio, decay, scale)`` instead of writing ``u``, where
+    ``decay`` is ``weight_decay`` if ``decayed`` else 0.
+
+    ``ratio`` is the graft ratio known before the step (a scalar array: ``graft_lag``'s, or 1
+    without grafting), the kernel's own input, which XLA passes without a copy; ``weight_decay``
+    and ``scale`` (the factor of the sum, ``-lr`` in ``sonew``) are the same for every tensor;
+    ``decayed`` is static."""
+
+    params: jax.Array
+    ratio: Any
+    weight_decay: Any
+    scale: Any
+    decayed: bool
+
+
+def numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
+    """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input."""
+    values = {name: scalars_ref[k] for k, name in enumerate(SCALARS)}
+    hyper = pointwise.Hyper(
+        **{k: values[k] for k in SCALARS[:5]}, graft=graft, precondition_1d=True
+    )
+    return hyper, (values["bc1"], values["bc2"])
+
+
+def output(scalars_ref, ratio_ref, u, p, decayed: bool):
+    """What the kernel writes in ``u``'s place: ``u``, or with the fused apply (``p`` read, not
+    ``None``) the new parameter (:class:`Apply`)."""
+    if p is None:
+        return u
+    weight_decay, scale = (scalars_ref[len(SCALARS) + k] for k in range(len(APPLY_SCALARS)))
+    decay = weight_decay if decayed else 0
+    return pointwise.apply_update(p, u, ratio_ref[0], decay, scale)
+
+
+def write_parts(parts_ref, i, j, pairs) -> None:
+    """Program ``(i, j)``'s norm pairs of Adam's direction and of ``u`` from per-lane pairs
+    ``(scale, sum (x / scale)^2)``: rescaled to the largest scale and added (as
+    ``chain.merge_norm_parts``). The scale is at least the smallest normal number
+    (:func:`scale_floor`)."""
+    for k, (scales, sums) in enumerate(pairs):
+        top = jnp.maximum(jnp.max(scales), scale_floor(scales.dtype))
+        ratio = scales * (1 / top)
+        parts_ref[2 * k, i, j] = top
+        parts_ref[2 * k + 1, i, j] = jnp.sum(sums * ratio * ratio)
+
+
+def scale_floor(dtype) -> Any:
+    """The smallest scale of the kernels' norm pairs: the smallest normal number of ``dtype``.
+
+    The kernels multiply by ``1 / scale`` (one division per pair, not per element). GPUs keep
+    subnormal numbers, whose reciprocals overflow: a scale of ``|x| < 2^-128`` would make a norm
+    ``inf * 0 = NaN`` and the tensor's update zero (moments of rarely lit inputs decay into
+    subnormals). From a normal scale ``1 / scale`` is finite, and ``(x / scale)^2`` of smaller
+    ``x`` underflows harmlessly.
+    """
+    return jnp.finfo(dtype).tiny
+
+
+def running_pair(pair, x, valid):
+    """The per-lane pair ``(scale, sum (x / scale)^2)`` with ``|x|`` added where ``valid``; the
+    scale starts at :func:`scale_floor`."""
+    scale, total = pair
+    x = jnp.where(valid, jnp.abs(x), 0)
+    new = jnp.maximum(scale, x)
+    inverse = 1 / new
+    ratio, scaled = scale * inverse, x * inverse
+    return new, madd(scaled, scaled, total * ratio * ratio)
+
+
+def per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) -> None:
+    """The kernel ``body`` on one of ``count`` tensors' refs (``inputs`` inputs each after the
+    shared scalars, then each one's outputs): tensor ``program_id(2)``'s, a branch per tensor
+    (the refs are static). ``body`` takes the program's ``(row chunk, column block)`` as
+    ``program``."""
+    # Read outside the branches: inside one, Pallas' interpreter finds no program ids.
+    program = pl.program_id(0), pl.program_id(1)
+    if count == 1:
+        body(scalars_ref, *refs, program=program, **static)
+        return
+    outputs = (len(refs) - count * inputs) // count
+    tensor = pl.program_id(2)
+    for k in range(count):
+
+        @pl.when(tensor == k)
+        def _run(k=k):
+            mine = refs[k * inputs : (k + 1) * inputs]
+            out = refs[count * inputs + k * outputs : count * inputs + (k + 1) * outputs]
+            body(scalars_ref, *mine, *out, program=program, **static)
+
+
+def bind(kernel, name: str, contract: bool = False, **static):
+    """``kernel`` with its static arguments bound, under ``name`` (as Pallas reports it), traced
+    within ``fma.contracted(contract)``."""
+
+    def bound(*refs):
+        with fma.contracted(contract):
+            kernel(*refs, **static)
+
+    bound.__name__ = name
+    return bound
