@@ -64,7 +64,7 @@ _CALL = re.compile(r"\bcall @(\w+)\(")
 def compiled_kernels() -> Iterator[None]:
     """SONew's kernels as they lower on an NVIDIA GPU, on any backend: compiled, not in Pallas'
     interpreter, their multiply-adds as PTX (``launch.ptx``)."""
-    sonew = importlib.import_module("sonew_pax.optim.sonew")  # the package's name is the function
+    sonew = importlib.import_module("sonew_pax.optim.engine")
     saved = sonew._interpret, launch.ptx
     sonew._interpret, launch.ptx = (lambda: False), (lambda: True)
     try:

@@ -526,7 +526,7 @@ def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypa
     (``shard_map`` knows which tensors are whole) or on one device, XLA without a mesh on several
     devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel)."""
     # (by module path: the package exports the function sonew(), not the module)
-    enable = importlib.import_module("sonew_pax.optim.sonew")._kernels_enabled
+    enable = importlib.import_module("sonew_pax.optim.engine").kernels_enabled
 
     def enabled(implementation, mesh):
         return enable(implementation, mesh, kernels.DEFAULT) is not None
@@ -684,7 +684,7 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
     from jax import export
 
     config = dataclasses.replace(use_kernel(kernel, stack, ahead), halo_group=2)
-    module = importlib.import_module("sonew_pax.optim.sonew")  # the name is the function's
+    module = importlib.import_module("sonew_pax.optim.engine")
     monkeypatch.setattr(module, "_interpret", lambda: False)
     monkeypatch.setattr(launch, "ptx", lambda: True)  # an NVIDIA GPU's compile
 

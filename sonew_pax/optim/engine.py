@@ -1,0 +1,419 @@
+"""The whole-tree SONew step: per tensor, on a whole tensor or on a shard's block.
+
+:func:`make_step` builds ``(updates, m, d, e, ratio, corrections, apply) -> (out, m, d, e,
+ratio)`` for :func:`sonew_pax.optim.sonew.scale_by_sonew`. Per tensor (or, under ``shard_map``,
+per shard) the step runs
+
+* as the Pallas kernels (``kernels``) where they apply: the state's halo rows and every tensor's
+  edges are gathered first, for all tensors at once (:func:`_halos`, :func:`_edges`: sharded, one
+  collective-permute per mesh axes and direction), then the tensors of one launch key share
+  launches; the kernels' per-tile norm pairs merge into the graft ratios, across shards in one
+  ``pmax`` and one ``psum`` per set of mesh axes (:func:`_graft_ratios`);
+* on XLA elsewhere (:func:`_leaf_step`): ``pointwise``'s functions on chain shifts (``chain``)
+  for bands 0 and 1, ``solve.precondition`` for wider bands.
+
+Both run the same ``pointwise`` and ``solve`` math, so they agree to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import partial
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from sonew_pax.optim import kernels as pallas
+from sonew_pax.optim import pointwise, sharding, solve
+from sonew_pax.optim.chain import ChainLayout, merge_pairs, norms, parallel, run, shift, shift_many
+from sonew_pax.optim.kernels import KernelConfig
+from sonew_pax.optim.pointwise import Hyper, Raw, Step
+
+
+def preconditioned(ndim: int, precondition_1d: bool) -> bool:
+    return ndim >= 2 or precondition_1d
+
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas")
+
+
+def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
+    """``config`` where the Pallas kernels (``kernels``) may run, else ``None`` (XLA only).
+
+    ``"pallas"``: on any backend (off GPU in Pallas' interpreter: slow, for tests). ``"auto"``: on
+    GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the device) or on a
+    one-device process; without a mesh on several devices the arrays may be sharded by the
+    caller's ``jit``, which cannot partition a kernel (it would gather every tensor), so XLA runs.
+    ``"xla"``: never.
+    """
+    if implementation != "auto":
+        enabled = implementation == "pallas"
+    else:
+        enabled = jax.default_backend() == "gpu" and (mesh is not None or jax.device_count() == 1)
+    return config if enabled else None
+
+
+def _banded_step(
+    raw: Raw, e: Any, band: int, corrections, hyper: Hyper, layout: ChainLayout
+) -> tuple[Step, tuple[jax.Array, jax.Array] | None]:
+    """The XLA path: :mod:`pointwise` on chain shifts for bands 0 and 1, the generic banded solve
+    (``solve.precondition``) for wider bands; the grafting norms in one reduction."""
+    bc1, bc2 = corrections
+    if band == 0:
+        step = pointwise.diagonal_step(raw, corrections, hyper)
+    elif band == 1:
+        # The new moments and edge statistics first, then their shifts, so no fusion reads a
+        # neighbour's old m or d after the new ones are written: XLA updates them in place where
+        # shifting the old state made it copy them first (compiled for CPU, a (512, 512) tensor's
+        # update held 3.0x its size in temporaries instead of 5.0x). XLA still copies e: it
+        # recomputes e's new statistic inside the shift that reads it.
+        m, d = pointwise.moments(raw, hyper)
+        here = [raw.g, m, d]
+        after = shift_many(here, 1, layout)
+        e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, after[0], hyper)
+        *before, e_before = shift_many([*here, e_here], -1, layout)
+        v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before, here, after)]
+        u = pointwise.tridiagonal_direction(*v, e_here, e_before, corrections, hyper)
+        step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_here)
+    else:
+        m, d = pointwise.moments(raw, hyper)
+        successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
+        e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g, successors, hyper)
+        u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
+        step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
+    grafting = norms([step.adam, step.u], layout) if hyper.graft == "adam" else None
+    return step, grafting
+
+
+def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """``||adam|| / ||u||`` from the pair of norms; ``0`` where ``||u|| == 0``, NaN where either
+    norm is NaN (a non-finite gradient entry makes the whole tensor's update non-finite)."""
+    num, den = grafting
+    zero = den == 0
+    return jnp.where(zero, 0, num / jnp.where(zero, 1, den))
+
+
+def _leaf_step(
+    g: jax.Array,
+    m: jax.Array,
+    d: jax.Array,
+    e: Any,
+    corrections: tuple[jax.Array, jax.Array],
+    hyper: Hyper,
+    layout: ChainLayout,
+) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
+    """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
+    graft)``.
+
+    ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
+    ``graft`` is ``None`` when nothing is grafted, else this step's ratio ``||adam|| / ||u||`` (a
+    scalar). The kernels' steps (:func:`_leaf_steps`) return per-tile norm pairs ``(4, tiles)``
+    instead, which :func:`_graft_ratios` merges for all tensors of a shape at once.
+    """
+    raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
+    if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
+        # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
+        m_new, d_new = pointwise.moments(raw, hyper)
+        adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
+        return adam, m_new.astype(m.dtype), d_new, e, None
+    band = _band(e)
+    step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
+    e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
+    ratio = None if grafting is None else _graft_ratio(grafting)
+    return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
+
+
+def _leaf_steps(
+    leaves: list[list],
+    halos: list,
+    edges: list,
+    applies: list,
+    corrections,
+    hyper: Hyper,
+    kernels: KernelConfig | None,
+) -> list[tuple]:
+    """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e``, lagged
+    ratios and layouts, each a list over the tensors): with ``kernels``
+    (:func:`kernels_enabled`) the steps of the tensors (or shards) where ``kernels.supported`` as
+    Pallas kernels (bands >= 1 with their state's ``halos``, :func:`_halos`, and their chain
+    neighbours beyond the block, ``edges``, :func:`_edges`; with ``applies[k]``,
+    ``kernels.Apply``, writing the parameters in ``u``'s
+    place), where the tensors of one ``kernels.launch_key`` share launches
+    (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
+    for the others."""
+    grads, m, d, e, _, layouts = leaves
+    steps: list = [None] * len(grads)
+    groups: dict[tuple, list[int]] = {}
+    for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
+        if _on_kernel(kernels, lay, _band(ei), hyper):
+            groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
+        else:
+            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay)
+    for (shape, band, *_), members in groups.items():
+        size = pallas.launch_group(shape, band, kernels)
+        for start in range(0, len(members), size):
+            part = members[start : start + size]
+            results = pallas.group_update(
+                *([x[k] for k in part] for x in (grads, m, d, e)),
+                corrections,
+                hyper,
+                interpret=_interpret(),
+                halos=[halos[k] for k in part],
+                edges=[edges[k] for k in part],
+                applies=[applies[k] for k in part],
+                config=kernels,
+            )
+            for k, result in zip(part, results, strict=True):
+                steps[k] = result
+    return steps
+
+
+def _interpret() -> bool:
+    """The kernels run compiled on GPU, in Pallas' interpreter elsewhere (tests on CPU)."""
+    return jax.default_backend() != "gpu"
+
+
+def _band(e: Any) -> int:
+    """The band of a tensor's off-diagonal statistics ``e`` (0: none, ``optax.MaskedNode``)."""
+    return 0 if isinstance(e, optax.MaskedNode) else e.shape[0]
+
+
+def _empty(layout: ChainLayout) -> bool:
+    """Whether the tensor has no elements (a 0-size dimension): it has no chain to precondition."""
+    return math.prod(layout.shape) == 0
+
+
+def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
+    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
+    return (
+        kernels is not None
+        and not _empty(layout)
+        and preconditioned(len(layout.shape), hyper.precondition_1d)
+        and pallas.supported(layout, band, kernels)
+    )
+
+
+def _halos(
+    m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: KernelConfig | None
+) -> list:
+    """The halo rows of every kernel tensor's ``(m, d, e)`` (bands >= 1; ``kernels.gather_halos``),
+    gathered together before any step kernel overwrites its state: a few launches per model
+    instead of one per tensor. ``None`` for the other tensors."""
+    bands = [_band(ei) for ei in e]  # 0 where a tensor has no off-diagonals (1-D)
+    on = [
+        band >= 1 and _on_kernel(kernels, lay, band, hyper)
+        for band, lay in zip(bands, layouts, strict=True)
+    ]
+    halos: list = [None] * len(on)
+    for band in sorted({b for b, flag in zip(bands, on, strict=True) if flag}):
+        members = [k for k, flag in enumerate(on) if flag and bands[k] == band]
+        arrays = [x for k in members for x in (m[k], d[k], e[k])]
+        shapes = [pallas.local_shape(layouts[k]) for k in members for _ in range(3)]
+        gathered = iter(
+            pallas.gather_halos(
+                arrays, band=band, shapes=shapes, interpret=_interpret(), config=kernels
+            )
+        )
+        for k in members:
+            halos[k] = tuple(next(gathered) for _ in range(3))
+    return halos
+
+
+def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> list:
+    """The ``edges`` input (``kernels.Edges``) of every band >= 1 kernel tensor, ``None`` for the
+    others: those of the tensors of one layout, band and statistics dtype built together
+    (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go the same way travel
+    together: one collective-permute per mesh axes, direction and round (``chain.run``), whatever
+    the number of tensors."""
+    grads, m, d, e, _, layouts = leaves
+    groups: dict[tuple, list[int]] = {}
+    for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
+        if _band(ei) >= 1 and _on_kernel(kernels, lay, _band(ei), hyper):
+            groups.setdefault((lay, _band(ei), jnp.dtype(d[k].dtype)), []).append(k)
+    programs = [
+        pallas.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
+        for (layout, _, _), members in groups.items()
+    ]
+    edges: list = [None] * len(grads)
+    for members, found in zip(groups.values(), run(parallel(programs)), strict=True):
+        for k, x in zip(members, found, strict=True):
+            edges[k] = x
+    return edges
+
+
+# Tensors whose graft ratios one reduction computes. The ratios are then written to one scalar
+# buffer each (graft_lag's state); XLA writes up to this many in one kernel, more in one copy each
+# (96 copies for the LM set's 96 same-shaped tensors: 0.09 ms on an H100).
+_GRAFT_GROUP = 32
+
+
+def _graft_ratios(grafts: list[jax.Array | None], layouts: list) -> list[jax.Array | None]:
+    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``.
+
+    The kernels' per-tile norm pairs are merged (``chain.merge_pairs``) for the tensors of one
+    shape together (up to ``_GRAFT_GROUP`` at a time), over their stacked pairs: a model's update
+    launches a few reductions instead of several small ones per tensor. A sharded tensor's pair
+    is then merged across its shards, with those of every tensor sharded over the same mesh axes:
+    one ``pmax`` and one ``psum`` per set of mesh axes. (The XLA path's ratios are already
+    reduced: its norm reduction fuses with the step.)
+    """
+    groups: dict[tuple, list[int]] = {}
+    for k, graft in enumerate(grafts):
+        if graft is not None and graft.ndim == 2:
+            groups.setdefault((graft.shape, layouts[k].mesh_axes), []).append(k)
+    ratios = list(grafts)
+    over_tiles = (partial(jnp.max, axis=2, keepdims=True), partial(jnp.sum, axis=2, keepdims=True))
+    across: dict[tuple[str, ...], list[tuple[list[int], jax.Array, jax.Array]]] = {}
+    for (_, axes), members in groups.items():
+        for start in range(0, len(members), _GRAFT_GROUP):
+            part = members[start : start + _GRAFT_GROUP]
+            stacked = jnp.stack([grafts[k] for k in part])  # (tensors, 4, tiles)
+            top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], *over_tiles)
+            top, total = top[..., 0], total[..., 0]
+            across.setdefault(axes, []).append((part, top, total))
+    for axes, parts in across.items():
+        members = [k for part, _, _ in parts for k in part]
+        top, total = (jnp.concatenate(x) for x in zip(*((t, s) for _, t, s in parts), strict=True))
+        if axes:
+            top, total = merge_pairs(
+                top, total, lambda x: jax.lax.pmax(x, axes), lambda x: jax.lax.psum(x, axes)
+            )
+        norm = top * jnp.sqrt(total)  # (tensors, 2): Adam's direction's and u's
+        ratio = _graft_ratio((norm[:, 0], norm[:, 1]))
+        for i, k in enumerate(members):
+            ratios[k] = ratio[i]
+    return ratios
+
+
+def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
+    """``u`` scaled by this step's ``ratio``, or with ``graft_lag`` (``lagged`` a scalar) by the
+    previous step's, returning this step's as the new lagged ratio: ``(u, lagged)``."""
+    if ratio is None:
+        return u, lagged
+    if isinstance(lagged, optax.MaskedNode):
+        return u * ratio, lagged
+    return u * lagged, _next_lagged(ratio, lagged)
+
+
+def _next_lagged(ratio: jax.Array | None, lagged: Any) -> Any:
+    """The lagged ratio the state keeps: this step's ``ratio`` (``graft_lag``), else ``lagged``."""
+    if ratio is None or isinstance(lagged, optax.MaskedNode):
+        return lagged
+    return ratio.astype(lagged.dtype)
+
+
+def _ratio_before_step(hyper: Hyper, lagged: Any) -> Any:
+    """The graft ratio known before the step's norms: 1 without grafting, the lagged ratio with
+    ``graft_lag``; ``None`` when the step's own ratio scales it (then its ``u`` must be written
+    out before it is applied)."""
+    if hyper.graft == "none":
+        return 1.0
+    return None if isinstance(lagged, optax.MaskedNode) else lagged
+
+
+def _kernel_apply(
+    apply: ApplyArgs | None,
+    p,
+    decayed,
+    e,
+    lagged,
+    hyper: Hyper,
+    layout: ChainLayout,
+    kernels: KernelConfig | None,
+) -> pallas.Apply | None:
+    """The ``kernels.Apply`` of a tensor whose kernel writes its parameters: one on the kernels
+    whose graft ratio is known before the step (:func:`_ratio_before_step`); else ``None``."""
+    if apply is None:
+        return None
+    ratio = _ratio_before_step(hyper, lagged)
+    if ratio is None or not _on_kernel(kernels, layout, _band(e), hyper):
+        return None
+    return pallas.Apply(p, ratio, apply.weight_decay, apply.scale, decayed)
+
+
+class ApplyArgs(NamedTuple):
+    """What the fused apply adds to the whole-tree step: ``params <- params + (u + decay params)
+    scale`` with ``decay = weight_decay`` where ``decayed`` (a static bool per parameter), else 0
+    (``scale`` and ``weight_decay``: scalar arrays)."""
+
+    params: optax.Params
+    scale: jax.Array
+    weight_decay: jax.Array
+    decayed: Any
+
+
+def make_step(
+    hyper: Hyper, mesh: Any, param_specs: Any, implementation: str, kernel_config: KernelConfig
+) -> Callable:
+    """The whole-tree step ``(updates, m, d, e, ratio, corrections, apply) -> (out, m, d, e,
+    ratio)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with ``apply``
+    (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft ratio before
+    the step (:func:`_ratio_before_step`), else ``pointwise.apply_update`` of ``u`` on XLA."""
+    kernels = kernels_enabled(implementation, mesh, kernel_config)
+
+    def tree_step(updates, m, d, e, ratio, corrections, layouts, apply=None):
+        treedef = jax.tree.structure(updates)
+        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
+        n = len(leaves[0])
+        params, decayed = (
+            [treedef.flatten_up_to(x) for x in (apply.params, apply.decayed)]
+            if apply is not None
+            else ([None] * n, [None] * n)
+        )
+        halos = _halos(leaves[1], leaves[2], leaves[3], leaves[5], hyper, kernels)
+        edges = _edges(leaves, hyper, kernels)
+        fused_apply = [
+            _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
+            for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
+        ]
+        steps = _leaf_steps(leaves, halos, edges, fused_apply, corrections, hyper, kernels)
+        ratios = _graft_ratios([step[4] for step in steps], leaves[5])
+        out: list[list[Any]] = [[] for _ in range(5)]
+        for g, step, fresh, lagged, p, flag, leaf_apply in zip(
+            leaves[0], steps, ratios, leaves[4], params, decayed, fused_apply, strict=True
+        ):
+            if leaf_apply is not None:  # the kernel wrote the parameters
+                x, lagged = step[0], _next_lagged(fresh, lagged)
+            else:
+                u, lagged = _graft(step[0], fresh, lagged)
+                x = u.astype(g.dtype)
+                if apply is not None:
+                    decay = apply.weight_decay if flag else 0.0
+                    x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
+            for k, y in enumerate((x, *step[1:4], lagged)):
+                out[k].append(y)
+        return tuple(jax.tree.unflatten(treedef, y) for y in out)
+
+    if mesh is None:
+
+        def step(updates, m, d, e, ratio, corrections, apply=None):
+            explicit = _explicit_mesh(updates)
+            if explicit is not None:  # the arrays' types say how they are split
+                sharded = sharding.sharded_step(tree_step, explicit, sharding.specs_of(updates))
+                return sharded(updates, m, d, e, ratio, corrections, apply)
+            layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
+            return tree_step(updates, m, d, e, ratio, corrections, layouts, apply)
+
+        return step
+
+    # Pallas kernels declare plain output shapes, without the varying-axes type that
+    # shard_map's check wants; their replicated outputs come from replicated inputs alone.
+    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=kernels is None)
+
+
+def _explicit_mesh(updates: Any) -> Any:
+    """The mesh of the first array of ``updates`` whose sharding is part of its type (a mesh with
+    Explicit axes) and splits it, else ``None``: such arrays cannot be sliced as whole tensors
+    are, so the update runs under ``shard_map`` with the arrays' own specs."""
+    for leaf in jax.tree.leaves(updates):
+        found = sharding.named_sharding(leaf)
+        if (
+            found is not None
+            and jax.sharding.AxisType.Explicit in found.mesh.axis_types
+            and any(entry is not None for entry in found.spec)
+        ):
+            return found.mesh
+    return None
