@@ -661,7 +661,7 @@ def test_default_tile_shortens_the_walk_on_small_tensors():
     concurrent = dataclasses.replace(config, concurrent=True)
     for shape in (*banded_rows, (8, 3)):
         assert kernels.default_tile(4, shape, concurrent) == config.concurrent_banded_tile
-    assert kernels.default_tile(1, (1024, 1024), concurrent) == (8, 64, 2)
+    assert kernels.default_tile(1, (1024, 1024), concurrent) == (32, 64, 8)
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
 
     def halo_rows(lanes):

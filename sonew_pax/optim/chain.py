@@ -180,12 +180,16 @@ def run(program: Program) -> Any:
 
 def exchange(sends: list[Send]) -> list[jax.Array]:
     """What each of ``sends`` delivers: the arrays going the same way (same mesh axes and offset)
-    are packed into one byte buffer and moved by one collective-permute."""
+    are packed into one byte buffer and moved by one collective-permute.
+
+    Under ``shard_map``'s varying-axes check, arrays that vary over different mesh axes travel
+    apart (a packed buffer varies over the union, and would make a piece of a tensor replicated
+    over an axis look as if it varied over it): one message per direction and set of axes."""
     received: list[jax.Array | None] = [None] * len(sends)
-    groups: dict[tuple[MeshAxes, int], list[int]] = {}
+    groups: dict[tuple, list[int]] = {}
     for i, send in enumerate(sends):
-        groups.setdefault((send.names, send.offset), []).append(i)
-    for (names, offset), members in groups.items():
+        groups.setdefault((send.names, send.offset, _varying(send.array)), []).append(i)
+    for (names, offset, _), members in groups.items():
         arrays = [sends[i].array for i in members]
         buffer = jnp.concatenate([_as_bytes(x) for x in arrays])
         num_shards = math.prod(lax.axis_size(n) for n in names)
@@ -196,6 +200,16 @@ def exchange(sends: list[Send]) -> list[jax.Array]:
             received[i] = _from_bytes(buffer[at : at + size], x.shape, x.dtype)
             at += size
     return received
+
+
+def _varying(x: jax.Array) -> frozenset[str]:
+    """The mesh axes ``x`` varies over in ``shard_map``'s type (``vma``; ``manual_axis_type`` in
+    older JAX), empty outside ``shard_map`` or without its check."""
+    aval = jax.typeof(x)
+    if hasattr(aval, "vma"):
+        return frozenset(aval.vma)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
 
 
 def _as_bytes(x: jax.Array) -> jax.Array:

@@ -28,7 +28,7 @@ import optax
 
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding, solve
-from sonew_pax.optim.chain import ChainLayout, merge_pairs, norms, parallel, run, shift, shift_many
+from sonew_pax.optim.chain import ChainLayout, halo_width, merge_pairs, norms, parallel, run, shift
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
 
@@ -56,28 +56,61 @@ def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> Ker
     return config if enabled else None
 
 
+def _edge_rows(edge: pallas.Edges, band: int, shape: tuple[int, ...]) -> tuple:
+    """A tensor's edges (``kernels.kernel_edges``) in its own layout: ``(pre, post)`` of shapes
+    ``(3 + b, before, *shape[1:])`` and ``(3 + b, after, *shape[1:])`` (``chain.halo_width``),
+    arrays ``g, m, d, e[0], ..`` along the first axis."""
+    before, after = halo_width(band)
+    count = edge.buffer.size // ((3 + band) * (before + after) * math.prod(shape[1:]))
+    rows = edge.buffer.reshape(count, 3 + band, before + after, *shape[1:])[edge.index]
+    return rows[:, :before], rows[:, before:]
+
+
+def _tridiagonal_step(
+    raw: Raw, e: jax.Array, edge: pallas.Edges, corrections, hyper: Hyper
+) -> Step:
+    """Band 1 on XLA, on a whole tensor or a shard's block: :mod:`pointwise` on the chain shifts
+    by one, the rows beyond the block from its ``edge`` (exchanged with those of every other
+    tensor, ``_edges``). The new moments and edge statistics first, then their shifts, so no
+    fusion reads a neighbour's old ``m`` or ``d`` after the new ones are written (XLA then
+    updates them in place); the edges' rows take the same elementwise steps."""
+    pre, post = _edge_rows(edge, 1, raw.g.shape)
+    m, d = pointwise.moments(raw, hyper)
+    m_pre, d_pre = pointwise.moments(Raw(*pre[:3, 0]), hyper)
+    m_post, d_post = pointwise.moments(Raw(*post[:3, 0]), hyper)
+    here = [raw.g, m, d]
+    after = [
+        jnp.concatenate([x[1:], y[None]])
+        for x, y in zip(here, (post[0, 0], m_post, d_post), strict=True)
+    ]
+    e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, after[0], hyper)
+    e_pre = pointwise.edge_statistic(pre[3, 0], pre[0, 0], raw.g[0], hyper)
+    before = [
+        jnp.concatenate([y[None], x[:-1]])
+        for x, y in zip([*here, e_here], (pre[0, 0], m_pre, d_pre, e_pre), strict=True)
+    ]
+    v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before[:3], here, after)]
+    u = pointwise.tridiagonal_direction(*v, e_here, before[3], corrections, hyper)
+    return Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_here)
+
+
 def _banded_step(
-    raw: Raw, e: Any, band: int, corrections, hyper: Hyper, layout: ChainLayout
+    raw: Raw,
+    e: Any,
+    band: int,
+    corrections,
+    hyper: Hyper,
+    layout: ChainLayout,
+    edge: pallas.Edges | None,
 ) -> tuple[Step, tuple[jax.Array, jax.Array] | None]:
-    """The XLA path: :mod:`pointwise` on chain shifts for bands 0 and 1, the generic banded solve
-    (``solve.precondition``) for wider bands; the grafting norms in one reduction."""
+    """The XLA path: :mod:`pointwise` elementwise for band 0 and on the shifts by one for band 1
+    (:func:`_tridiagonal_step`), the generic banded solve (``solve.precondition``) for wider
+    bands; the grafting norms in one reduction."""
     bc1, bc2 = corrections
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
     elif band == 1:
-        # The new moments and edge statistics first, then their shifts, so no fusion reads a
-        # neighbour's old m or d after the new ones are written: XLA updates them in place where
-        # shifting the old state made it copy them first (compiled for CPU, a (512, 512) tensor's
-        # update held 3.0x its size in temporaries instead of 5.0x). XLA still copies e: it
-        # recomputes e's new statistic inside the shift that reads it.
-        m, d = pointwise.moments(raw, hyper)
-        here = [raw.g, m, d]
-        after = shift_many(here, 1, layout)
-        e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, after[0], hyper)
-        *before, e_before = shift_many([*here, e_here], -1, layout)
-        v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before, here, after)]
-        u = pointwise.tridiagonal_direction(*v, e_here, e_before, corrections, hyper)
-        step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_here)
+        step = _tridiagonal_step(raw, e, edge, corrections, hyper)
     else:
         m, d = pointwise.moments(raw, hyper)
         successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
@@ -104,9 +137,10 @@ def _leaf_step(
     corrections: tuple[jax.Array, jax.Array],
     hyper: Hyper,
     layout: ChainLayout,
+    edge: pallas.Edges | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
-    graft)``.
+    graft)``; band 1 with its ``edge`` (:func:`_edges`).
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
     ``graft`` is ``None`` when nothing is grafted, else this step's ratio ``||adam|| / ||u||`` (a
@@ -120,7 +154,7 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = _band(e)
-    step, grafting = _banded_step(raw, e, band, corrections, hyper, layout)
+    step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     ratio = None if grafting is None else _graft_ratio(grafting)
     return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
@@ -151,7 +185,7 @@ def _leaf_steps(
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
-            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay)
+            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay, edges[k])
     for (shape, band, *_), members in groups.items():
         size = pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
@@ -186,12 +220,16 @@ def _empty(layout: ChainLayout) -> bool:
     return math.prod(layout.shape) == 0
 
 
+def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
+    """Whether the tensor's step reads its chain (it is preconditioned and not empty)."""
+    return not _empty(layout) and preconditioned(len(layout.shape), hyper.precondition_1d)
+
+
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
     """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
     return (
         kernels is not None
-        and not _empty(layout)
-        and preconditioned(len(layout.shape), hyper.precondition_1d)
+        and _has_chain(layout, hyper)
         and pallas.supported(layout, band, kernels)
     )
 
@@ -223,15 +261,17 @@ def _halos(
 
 
 def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> list:
-    """The ``edges`` input (``kernels.Edges``) of every band >= 1 kernel tensor, ``None`` for the
-    others: those of the tensors of one layout, band and statistics dtype built together
-    (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go the same way travel
-    together: one collective-permute per mesh axes, direction and round (``chain.run``), whatever
-    the number of tensors."""
+    """The ``edges`` (``kernels.Edges``) of every band >= 1 kernel tensor and every band-1 tensor
+    on XLA, ``None`` for the others: those of the tensors of one layout, band and statistics
+    dtype built together (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go
+    the same way travel together: one collective-permute per mesh axes, direction and round
+    (``chain.run``), whatever the number of tensors."""
     grads, m, d, e, _, layouts = leaves
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
-        if _band(ei) >= 1 and _on_kernel(kernels, lay, _band(ei), hyper):
+        band = _band(ei)
+        on_xla_or_kernel = band == 1 or (band > 1 and _on_kernel(kernels, lay, band, hyper))
+        if _has_chain(lay, hyper) and on_xla_or_kernel:
             groups.setdefault((lay, _band(ei), jnp.dtype(d[k].dtype)), []).append(k)
     programs = [
         pallas.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
