@@ -143,6 +143,9 @@ def _with_defaults(fn: Callable[..., Any], **defaults: Any) -> Callable[..., Any
 
     Returns:
       A function that calls ``fn`` with ``defaults`` under the arguments it is given.
+
+    Raises:
+      TypeError: ``fn`` has no argument of a name in ``defaults``.
     """
     signature = inspect.signature(fn)
     unknown = defaults.keys() - signature.parameters.keys()
