@@ -30,6 +30,7 @@ import pytest
 
 from sonew_pax import checkpoints, data, loop, metrics, run_lock, train
 from sonew_pax.errors import ConfigError
+from tests.conftest import jax_config
 from tests.test_trainer import PERIOD, STEPS, configure
 from tests.test_trainer import _clear_gin as _clear_gin  # the same autouse fixture here
 
@@ -39,6 +40,17 @@ DIVERGE = (
     "learning_rate_schedule.decay = 'constant'",
     "learning_rate_schedule.warmup_steps = 0",
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the module's runs (what JAX_COMPILATION_CACHE_DIR
+    does): a run of a config another test ran loads its train step instead of compiling it."""
+    with (
+        jax_config("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("cache"))),
+        jax_config("jax_persistent_cache_min_compile_time_secs", 0),
+    ):
+        yield
 
 
 @pytest.fixture(scope="module")
