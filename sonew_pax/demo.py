@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from absl import app, flags
 
-from sonew_pax import inference, train, trainer
+from sonew_pax import inference, loop, train
 from sonew_pax.metrics import METRICS_FILE
 
 _MODEL_DIR = flags.DEFINE_string("model_dir", None, "Where the demo run writes.", required=True)
@@ -65,7 +65,7 @@ def main(argv: Sequence[str]) -> None:
     model_dir = pathlib.Path(_MODEL_DIR.value).resolve()
     train.quiet_library_logs()
     train.parse_gin(["tiny.gin"], [f"MODEL_DIR = {json.dumps(str(model_dir))}"], [])
-    trainer.train()
+    loop.train()
     print(summary(model_dir), flush=True)
     print(samples(model_dir), flush=True)
 

@@ -24,6 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+# sonew_pax.loop registers gin's `train`, which every config.gin binds: so that files importing
+# only sonew_pax.trainer (which registered `train` before the loop had a module) still parse.
+import sonew_pax.loop  # noqa: F401
 from sonew_pax import checkpoints, data, paths, train_state
 from sonew_pax.errors import ConfigError, RunError
 from sonew_pax.models import Transformer, TransformerConfig, init_cache

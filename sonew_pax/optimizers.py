@@ -11,6 +11,8 @@ Weight decay is applied to matrices only (``ndim >= 2``): norm scales and biases
 as in most LM recipes.
 """
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -129,56 +131,45 @@ def adafactor(
     )
 
 
-@gin.configurable
-def sonew(
-    learning_rate: Schedule,
-    *,
-    band: int = 1,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = optim.DEFAULT_EPS,
-    gamma: float = optim.DEFAULT_GAMMA,
-    graft: str = "adam",
-    graft_eps: float = 1e-8,
-    weight_decay: float = 0.0,
-    precondition_1d: bool = False,
-    momentum_dtype: Any = None,
-    offdiag_dtype: Any = None,
-    implementation: str = "auto",
-    graft_lag: bool = False,
-    mesh: jax.sharding.Mesh | None = None,
-    param_specs: Any = None,
-) -> optax.GradientTransformation:
-    """SONew (`sonew_pax.optim.sonew`): band 0 = diagonal, 1 = tridiagonal, 4 = banded.
+def _with_defaults(fn: Callable[..., Any], **defaults: Any) -> Callable[..., Any]:
+    """``fn`` with other defaults for some of its keyword arguments, and ``fn``'s signature.
 
-    The mesh and parameter specs let the update run sharded (halo exchange between shards) with
-    the state in each parameter's own layout. ``momentum_dtype`` / ``offdiag_dtype`` (e.g.
-    ``jnp.bfloat16``; in gin ``%jnp.bfloat16`` is not available, so ``"bfloat16"``) store the first
-    moment and the off-diagonal statistics in a narrower dtype; ``implementation`` picks the GPU
-    kernels (``"auto"``, default: on GPU; ``"pallas"``: everywhere) or the XLA path (``"xla"``).
-    ``graft_lag`` scales each step by the previous step's Adam-graft ratio (the first update is
-    zero), which lets the GPU kernels write the parameters in the update's pass (the trainer
-    applies through ``optim.apply_gradients``; see ``benchmarks/README.md``, version 10).
+    The signature (``__signature__``, which gin reads) is ``fn``'s with those defaults, so gin
+    binds, and checks the names of, exactly ``fn``'s arguments, none restated here.
+
+    Args:
+      fn: the function wrapped.
+      **defaults: argument name -> its default in the wrapper.
+
+    Returns:
+      A function that calls ``fn`` with ``defaults`` under the arguments it is given.
+
+    Raises:
+      TypeError: ``fn`` has no argument of a name in ``defaults``.
     """
-    return optim.sonew(
-        learning_rate,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        band=band,
-        gamma=gamma,
-        graft=graft,
-        graft_eps=graft_eps,
-        weight_decay=weight_decay,
-        mask=_matrices_only,
-        precondition_1d=precondition_1d,
-        momentum_dtype=momentum_dtype,
-        offdiag_dtype=offdiag_dtype,
-        implementation=implementation,
-        graft_lag=graft_lag,
-        mesh=mesh,
-        param_specs=param_specs,
+    signature = inspect.signature(fn)
+    unknown = defaults.keys() - signature.parameters.keys()
+    if unknown:
+        raise TypeError(f"{fn.__qualname__} has no argument {', '.join(sorted(unknown))}")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **(defaults | kwargs))
+
+    wrapper.__signature__ = signature.replace(
+        parameters=[
+            p.replace(default=defaults.get(p.name, p.default))
+            for p in signature.parameters.values()
+        ]
     )
+    return wrapper
+
+
+# SONew (`sonew_pax.optim.sonew`, every argument bindable in gin), with weight decay on matrices
+# only. Dtype arguments take names in gin (``sonew.momentum_dtype = "bfloat16"``).
+sonew = gin.external_configurable(
+    _with_defaults(optim.sonew, mask=_matrices_only), name="sonew", module=__name__
+)
 
 
 @gin.configurable

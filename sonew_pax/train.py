@@ -4,6 +4,7 @@ r"""Pretrain a decoder-only LM, the T5X way: gin files, ``--gin.X=Y`` overrides,
       --gin_file=tiny.gin \
       --gin.MODEL_DIR=\"/tmp/run\" --gin.TRAIN_STEPS=500
 
+This module is the command line: flags, gin parsing, then `sonew_pax.loop.train` (the run).
 Flags: ``--gin_file`` (repeatable; looked up in ``--gin_search_paths``, which always end with
 this repository's ``configs/``), ``--gin_bindings`` (repeatable), ``--gin.NAME=VALUE`` (rewritten
 to the binding ``NAME = VALUE``), and ``--coordinator_address``/``--process_count``/
@@ -30,7 +31,7 @@ from collections.abc import Callable, Sequence
 import gin
 from absl import app, flags, logging
 
-from sonew_pax import distributed, trainer
+from sonew_pax import distributed, loop
 from sonew_pax.errors import ConfigError, RunError
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
@@ -161,7 +162,7 @@ def _without_gin_context(message: str) -> str:
 
 
 def main(argv: Sequence[str]) -> None:
-    """absl entry point: distributed set-up, gin, then `train`."""
+    """absl entry point: distributed set-up, gin, then `loop.train`."""
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     quiet_library_logs()
@@ -173,7 +174,7 @@ def main(argv: Sequence[str]) -> None:
     )
     try:
         parse_gin(FLAGS.gin_file, FLAGS.gin_bindings, FLAGS.gin_search_paths)
-        result = trainer.train()
+        result = loop.train()
     except RunError as error:
         sys.exit(f"error: {_without_gin_context(str(error))}")
     logging.info("Finished at step %d (loss %s).", result.step, result.loss)

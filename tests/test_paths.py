@@ -14,7 +14,7 @@ from etils.epath import backend as epath_backend
 from etils.epath import gpath
 from orbax.checkpoint._src.path import gcs_utils
 
-from sonew_pax import checkpoints, metrics, paths, trainer
+from sonew_pax import checkpoints, loop, metrics, paths
 from sonew_pax.train_state import TrainState
 
 RUN = "gs://bucket/run"
@@ -86,7 +86,7 @@ def test_missing_backend_fails_before_training(monkeypatch):
         raise AssertionError("training started")
 
     with pytest.raises(paths.MissingBackendError) as error:
-        trainer.train(
+        loop.train(
             model_dir=RUN,
             train_steps=1,
             batch_size=8,

@@ -28,8 +28,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sonew_pax import checkpoints, data, metrics, run_lock, train, trainer
+from sonew_pax import checkpoints, data, loop, metrics, run_lock, train
 from sonew_pax.errors import ConfigError
+from tests.conftest import jax_config
 from tests.test_trainer import PERIOD, STEPS, configure
 from tests.test_trainer import _clear_gin as _clear_gin  # the same autouse fixture here
 
@@ -41,12 +42,23 @@ DIVERGE = (
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_compilation_cache(tmp_path_factory):
+    """One persistent compilation cache for the module's runs (what JAX_COMPILATION_CACHE_DIR
+    does): a run of a config another test ran loads its train step instead of compiling it."""
+    with (
+        jax_config("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("cache"))),
+        jax_config("jax_persistent_cache_min_compile_time_secs", 0),
+    ):
+        yield
+
+
 @pytest.fixture(scope="module")
 def healthy(tmp_path_factory):
     """A finished 12-step run with checkpoints at 6 and 12."""
     model_dir = tmp_path_factory.mktemp("healthy")
     configure(model_dir)
-    trainer.train(eval_data=None)
+    loop.train(eval_data=None)
     gin.clear_config()
     return model_dir
 
@@ -105,8 +117,8 @@ class PoisonedBatches:
 def test_diverged_run_stops_and_saves_nothing_after(tmp_path):
     configure(tmp_path, "CHECKPOINT_PERIOD = 2", "TRAIN_STEPS = 10")
     poisoned = lambda **kw: PoisonedBatches({4}, **kw)  # noqa: E731  the 5th step
-    with pytest.raises(trainer.NonFiniteError, match=r"step 5: non-finite loss nan") as error:
-        trainer.train(train_data=poisoned, eval_data=None)
+    with pytest.raises(loop.NonFiniteError, match=r"step 5: non-finite loss nan") as error:
+        loop.train(train_data=poisoned, eval_data=None)
     assert "checkpoint_4" in str(error.value)
     assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == [
         "checkpoint_2",
@@ -121,8 +133,8 @@ def test_resumed_run_that_diverges_leaves_the_checkpoints_as_they_were(healthy, 
     _copy_checkpoints(healthy, tmp_path)
     before = {p.name: _tree_digest(p) for p in tmp_path.glob("checkpoint_*")}
     configure(tmp_path, *DIVERGE, "TRAIN_STEPS = 200", "CHECKPOINT_PERIOD = 100")
-    with pytest.raises(trainer.NonFiniteError, match=r"step \d+: non-finite"):
-        trainer.train(eval_data=None)
+    with pytest.raises(loop.NonFiniteError, match=r"step \d+: non-finite"):
+        loop.train(eval_data=None)
     assert {p.name: _tree_digest(p) for p in tmp_path.glob("checkpoint_*")} == before
 
 
@@ -135,7 +147,7 @@ def test_skip_policy_keeps_the_state_counts_and_stops_after_the_limit(tmp_path):
         "train.max_skipped_steps = 2",
     )
     poisoned = lambda **kw: PoisonedBatches({2, 7}, **kw)  # noqa: E731  steps 3 and 8
-    result = trainer.train(train_data=poisoned, eval_data=None)
+    result = loop.train(train_data=poisoned, eval_data=None)
     assert result.step == 12
     records = {r["step"]: r for r in _strict_records(tmp_path)}
     assert [records[s]["skipped_steps"] for s in (2, 3, 7, 8, 12)] == [0, 1, 1, 2, 2]
@@ -148,15 +160,15 @@ def test_skip_policy_keeps_the_state_counts_and_stops_after_the_limit(tmp_path):
     configure(tmp_path, "CHECKPOINT_PERIOD = 3", "TRAIN_STEPS = 12",
               "train.non_finite = 'skip'", "train.max_skipped_steps = 2")  # fmt: skip
     poisoned_again = lambda **kw: PoisonedBatches({9}, **kw)  # noqa: E731  step 10
-    with pytest.raises(trainer.NonFiniteError, match="3 steps skipped, more than"):
-        trainer.train(train_data=poisoned_again, eval_data=None)
+    with pytest.raises(loop.NonFiniteError, match="3 steps skipped, more than"):
+        loop.train(train_data=poisoned_again, eval_data=None)
 
 
 def test_skipped_step_keeps_parameters_and_optimizer_state_bit_for_bit(tmp_path):
     configure(tmp_path, "train.non_finite = 'skip'", "CHECKPOINT_PERIOD = 1", "TRAIN_STEPS = 3",
               "learning_rate_schedule.warmup_steps = 0")  # fmt: skip
     poisoned = lambda **kw: PoisonedBatches({1}, **kw)  # noqa: E731  step 2
-    trainer.train(train_data=poisoned, eval_data=None)
+    loop.train(train_data=poisoned, eval_data=None)
     one, two = (
         ocp.StandardCheckpointer().restore(tmp_path / f"checkpoint_{s}" / "state") for s in (1, 2)
     )
@@ -194,7 +206,7 @@ def test_changed_bytes_are_caught_and_the_previous_checkpoint_used(
         damage(tmp_path / f"checkpoint_{STEPS}")
     configure(tmp_path)
     with caplog.at_level("WARNING"):
-        result = trainer.train(eval_data=None)
+        result = loop.train(eval_data=None)
     assert result.step == STEPS
     assert (tmp_path / f"checkpoint_{STEPS}.corrupt").is_dir()  # kept, renamed aside
     warnings = [r.getMessage() for r in caplog.records if f"checkpoint_{STEPS}" in r.getMessage()]
@@ -219,7 +231,7 @@ def test_settings_that_cannot_work_are_refused_before_any_file(tmp_path, binding
     model_dir = tmp_path / "run"
     configure(model_dir, binding, "learning_rate_schedule.warmup_steps = 0")
     with pytest.raises(ConfigError, match=message):
-        trainer.train(eval_data=None)
+        loop.train(eval_data=None)
     assert not model_dir.exists()
 
 
@@ -252,7 +264,7 @@ def test_checkpoints_of_another_configuration_are_a_config_mismatch(
     shutil.copy(healthy / "config.gin", tmp_path / "config.gin")
     configure(tmp_path, *extra, files=files)
     with pytest.raises(checkpoints.ConfigMismatchError, match="config mismatch") as error:
-        trainer.train(eval_data=None)
+        loop.train(eval_data=None)
     for text in differing:  # an array that differs, and a setting
         assert text in str(error.value)
     assert "corrupt" not in str(error.value)
@@ -283,7 +295,7 @@ def test_second_run_in_a_model_dir_is_refused(tmp_path, live_process):
     _write_lock(tmp_path, live_process.pid)
     configure(tmp_path)
     with pytest.raises(run_lock.RunLockedError, match=f"pid {live_process.pid}"):
-        trainer.train(eval_data=None)
+        loop.train(eval_data=None)
     assert [p.name for p in tmp_path.iterdir()] == [run_lock.LOCK_FILE]  # nothing written
 
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sonew_pax import demo, export_hf, inference, safetensors_io, trainer
+from sonew_pax import demo, export_hf, inference, loop, safetensors_io
 from sonew_pax.data import ByteTokenizer
 from sonew_pax.errors import ConfigError, RunError
 from sonew_pax.models import Transformer, TransformerConfig, llama
@@ -38,7 +38,7 @@ def run_dir(tmp_path_factory):
         "CHECKPOINT_PERIOD = 1",
         "learning_rate_schedule.warmup_steps = 1",
     )
-    trainer.train(eval_data=None, compilation_cache_dir="")
+    loop.train(eval_data=None, compilation_cache_dir="")
     gin.clear_config()
     return model_dir
 

@@ -1,6 +1,6 @@
 """The train step lowers for TPU, proven on CPU: `jax.export` for platform "tpu".
 
-`trainer.configured_trainer` builds the step a run's gin config gives (`train`'s own code
+`loop.configured_trainer` builds the step a run's gin config gives (`train`'s own code
 path), and `Trainer.export_train_step` lowers it from abstract inputs carrying their shardings:
 nothing is allocated, nothing compiled. Covered: the tiny and 1b models x AdamW, tridiagonal
 SONew and band-4 SONew on a 2x4 mesh (data=2, model=4), and ``runs/pretrain_1b_v4_32.gin`` on
@@ -27,7 +27,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sonew_pax import train, trainer
+from sonew_pax import loop, train, trainer
 from sonew_pax.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -66,7 +66,7 @@ def export_for_tpu(files: Sequence[str], bindings: Sequence[str]) -> dict:
     gin.clear_config()
     try:
         train.parse_gin(files, bindings, [])
-        step_fns = trainer.configured_trainer()
+        step_fns = loop.configured_trainer()
         exported = step_fns.export_train_step(("tpu",))
     finally:
         gin.clear_config()
@@ -151,7 +151,7 @@ def test_configured_trainer_names_the_unbound_train_arguments():
     try:
         train.parse_gin(["models/tiny.gin"], [], [])
         with pytest.raises(ConfigError, match=r"binds no train\.batch_size, .*train\.seq_len"):
-            trainer.configured_trainer()
+            loop.configured_trainer()
     finally:
         gin.clear_config()
 

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from sonew_pax import demo, optimizers, partitioning, train, trainer
+from sonew_pax import demo, loop, models, optimizers, partitioning, train, trainer
 from tests.conftest import jax_config
 
 STEPS = 12
@@ -72,7 +72,7 @@ def reference(tmp_path_factory):
         jax_config("jax_compilation_cache_dir", None),  # the default place, whatever the env says
         jax_config("jax_persistent_cache_min_compile_time_secs", 0),
     ):
-        result = trainer.train()
+        result = loop.train()
     gin.clear_config()
     return model_dir, result
 
@@ -100,7 +100,7 @@ def test_run_writes_everything(reference):
     info = (model_dir / "model-info.txt").read_text()
     assert "Parameters:" in info and "Optimizer state:" in info
     assert "P(None, 'model')" in info  # mlp/wi is split over the model axis
-    assert list((model_dir / trainer.COMPILATION_CACHE).glob("jit_train_step-*"))
+    assert list((model_dir / loop.COMPILATION_CACHE).glob("jit_train_step-*"))
     assert jax.config.jax_compilation_cache_dir == PROCESS_CACHE  # restored after the run
 
 
@@ -109,7 +109,7 @@ def test_resume_loads_the_compiled_step(reference, tmp_path, caplog):
     and the loaded program computes what the compiled one did. (The cache is named, not copied:
     JAX keys entries by the cache's path too, via the XLA autotuning cache it places inside.)"""
     ref_dir, _ = reference
-    cache = str(ref_dir / trainer.COMPILATION_CACHE)
+    cache = str(ref_dir / loop.COMPILATION_CACHE)
     jax.clear_caches()  # nothing compiled in this process serves the run
     with (  # the last sets caplog's handler level too: DEBUG
         caplog.at_level(logging.INFO, logger="absl"),
@@ -124,7 +124,7 @@ def test_resume_loads_the_compiled_step(reference, tmp_path, caplog):
     # The trainer says so: its first step loaded a program from the cache.
     (first,) = [m for m in messages if m.startswith("First step done")]
     assert re.search(r"in \d+\.\d s, compiling included \([1-9]\d* program", first), first
-    assert not (tmp_path / trainer.COMPILATION_CACHE).exists()
+    assert not (tmp_path / loop.COMPILATION_CACHE).exists()
     assert result.step == STEPS
     expected = losses(ref_dir)
     assert losses(tmp_path) == {s: expected[s] for s in range(PERIOD + 1, STEPS + 1)}
@@ -144,11 +144,11 @@ def test_compilation_cache_at_a_uri_keeps_xla_caches_off():
 
 def test_compilation_cache_path(tmp_path):
     with jax_config("jax_compilation_cache_dir", None):  # no JAX_COMPILATION_CACHE_DIR
-        assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "compilation_cache")
-    assert trainer.compilation_cache_path(tmp_path, "") is None
-    assert trainer.compilation_cache_path(tmp_path, "gs://bucket/cache") == "gs://bucket/cache"
+        assert loop.compilation_cache_path(tmp_path, None) == str(tmp_path / "compilation_cache")
+    assert loop.compilation_cache_path(tmp_path, "") is None
+    assert loop.compilation_cache_path(tmp_path, "gs://bucket/cache") == "gs://bucket/cache"
     with jax_config("jax_compilation_cache_dir", str(tmp_path / "shared")):  # as the env var
-        assert trainer.compilation_cache_path(tmp_path, None) == str(tmp_path / "shared")
+        assert loop.compilation_cache_path(tmp_path, None) == str(tmp_path / "shared")
 
 
 def _resume_from(reference, tmp_path, steps, **train_kwargs):
@@ -157,7 +157,7 @@ def _resume_from(reference, tmp_path, steps, **train_kwargs):
     for step in steps:
         shutil.copytree(ref_dir / f"checkpoint_{step}", tmp_path / f"checkpoint_{step}")
     configure(tmp_path)
-    return trainer.train(**train_kwargs)
+    return loop.train(**train_kwargs)
 
 
 @pytest.mark.parametrize("shape", [(4, 2), (1, 1)], ids=["4x2", "1-device"])
@@ -183,7 +183,7 @@ def test_corrupt_latest_checkpoint_falls_back(reference, tmp_path, caplog):
             file.write_bytes(file.read_bytes()[:7])
     configure(tmp_path)
     with caplog.at_level(logging.WARNING):
-        result = trainer.train(eval_data=None)
+        result = loop.train(eval_data=None)
     assert any(str(tmp_path / f"checkpoint_{STEPS}") in r.getMessage() for r in caplog.records)
     assert (tmp_path / f"checkpoint_{STEPS}.corrupt").is_dir()  # kept for inspection
     assert (tmp_path / f"checkpoint_{STEPS}").is_dir()  # redone from checkpoint_6
@@ -199,7 +199,7 @@ def _is_sharded(sharding) -> bool:
 def test_compiled_shardings_match_the_derived_specs(tmp_path):
     configure(tmp_path)
     step_fns = trainer.Trainer(
-        trainer.Transformer(gin.query_parameter("train.model_config").scoped_configurable_fn()),
+        models.Transformer(gin.query_parameter("train.model_config").scoped_configurable_fn()),
         optimizers.make_optimizer,
         optimizers.learning_rate_schedule(),
         partitioning.make_mesh(),
@@ -239,7 +239,7 @@ def test_compiled_shardings_match_the_derived_specs(tmp_path):
 def test_profile_window_writes_a_trace(tmp_path):
     """``train.profile_steps = (2, 2)``: a jax.profiler trace of steps 2-3 in MODEL_DIR/profile/."""
     configure(tmp_path, "TRAIN_STEPS = 4", "train.profile_steps = (2, 2)")
-    trainer.train(eval_data=None)
+    loop.train(eval_data=None)
     traces = list((tmp_path / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 

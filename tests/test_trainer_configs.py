@@ -4,15 +4,17 @@ Every optimizer config is checked on the 2x4 mesh: its state derives specs from 
 and no optimizer-state tensor is replicated where its parameter is sharded.
 """
 
+import inspect
 import pathlib
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from sonew_pax import optimizers, partitioning, train, trainer
+from sonew_pax import optim, optimizers, partitioning, train, trainer
 from sonew_pax.models import Transformer
 
 CONFIGS = train.CONFIGS_DIR
@@ -136,3 +138,24 @@ def test_parses_with_a_runs_directory_in_the_working_directory(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     train.parse_gin(["tiny.gin"], ['MODEL_DIR = "/tmp/unused"'], [])
+
+
+@pytest.mark.parametrize("name", list(inspect.signature(optim.sonew).parameters))
+def test_every_sonew_argument_is_bindable_in_gin(name):
+    """gin's ``sonew`` has ``optim.sonew``'s arguments, none restated (gin rejects a binding of a
+    parameter its configurable lacks)."""
+    gin.parse_config(f"sonew.{name} = None")
+    assert gin.query_parameter(f"sonew.{name}") is None
+
+
+def test_gin_sonew_passes_bindings_through_and_decays_matrices_only():
+    """A dtype named in gin reaches ``optim.sonew``; weight decay skips vectors by default."""
+    gin.parse_config('sonew.stats_dtype = "bfloat16"\nsonew.weight_decay = 1.0')
+    tx = optimizers.sonew(1.0)
+    params = {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)}
+    state = tx.init(params)
+    assert {leaf.dtype for leaf in jax.tree.leaves(state[0].d)} == {jnp.dtype(jnp.bfloat16)}
+    zeros = jax.tree.map(np.zeros_like, params)
+    updates, _ = tx.update(zeros, state, params)
+    np.testing.assert_allclose(updates["w"], -params["w"])
+    np.testing.assert_allclose(updates["b"], 0.0)
