@@ -25,8 +25,7 @@ Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
 ``span_ms`` (the time at least one kernel ran: less than ``busy_ms`` where kernels overlap),
 ``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
-(``profile_update.py``; ``results/train_step_families.json`` keeps them all: ``--profile_families
-400``).
+(``profile_update.py``; ``--profile_families 400`` keeps them all).
 SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels; the trainer
 applies through ``optim.apply_gradients``, so in ``*_lag_pallas`` rows the kernels write the
 parameters: the fused apply).

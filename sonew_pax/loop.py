@@ -289,7 +289,6 @@ def _make_trainer(
     batch_size: int,
     seq_len: int,
     seed: int,
-    concurrent_launches: bool,
     non_finite: str,
     mesh: Mesh | None,
 ) -> Trainer:
@@ -307,7 +306,6 @@ def _make_trainer(
         rules,
         (batch_size, seq_len),
         seed,
-        concurrent_launches,
         skip_non_finite=non_finite == "skip",
     )
 
@@ -352,7 +350,6 @@ def train(
     keep_checkpoints: int | None = None,
     log_every: int = 10,
     compilation_cache_dir: str | None = None,
-    concurrent_launches: bool = False,
     non_finite: str = "stop",
     max_skipped_steps: int = 10,
     profile_steps: tuple[int, int] | None = None,
@@ -385,11 +382,6 @@ def train(
         the cache's own path, where it keeps XLA's autotuning cache: a moved cache misses),
         and caches compilations longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s).
         Trust the directory as you trust the code: JAX runs what it loads from it.
-      concurrent_launches: compile the train step with ``optim.concurrent_jit``: on a GPU its
-        independent kernels may run at the same time, and banded SONew (band >= 2) walks longer
-        chunks for it. It trades memory for time: XLA keeps apart the buffers of kernels that
-        may overlap, so the step peaks higher. ``configs/optimizers/sonew_band4.gin`` shows the
-        binding.
       non_finite: what a step with a non-finite loss or gradient norm does (`NonFiniteGuard`):
         ``"stop"`` (default) ends the run with `NonFiniteError` naming the step, having saved
         nothing after it; ``"skip"`` keeps the parameters and optimizer state for that step,
@@ -431,7 +423,6 @@ def train(
         batch_size=batch_size,
         seq_len=seq_len,
         seed=seed,
-        concurrent_launches=concurrent_launches,
         non_finite=non_finite,
         mesh=mesh,
     )

@@ -116,9 +116,10 @@ class Trainer:
       layout: the `StateLayout` (abstract state, specs, shardings).
       tx: the optimizer.
       train_step: jitted ``(state, batch) -> (state, metrics)``; the input state is donated, its
-        shardings in and out are the layout's; metrics come back replicated. With
-        ``concurrent_launches`` it is jitted by ``optim.concurrent_jit`` (see `loop.train`); with
-        ``skip_non_finite`` a non-finite step keeps the state (`make_train_step`).
+        shardings in and out are the layout's; metrics come back replicated; compiled with
+        ``compiler_options`` (XLA's, for this executable alone; e.g.
+        ``optim.kernels.CONCURRENT_OPTIONS``). With ``skip_non_finite`` a non-finite step keeps
+        the state (`make_train_step`).
       eval_step: jitted ``(params, batch) -> (loss sum, weight sum)``.
       batch_sharding: how the global [batch, length] arrays are laid out over the mesh.
     """
@@ -132,7 +133,7 @@ class Trainer:
         rules: partitioning.Rules,
         batch_shape: tuple[int, int],
         seed: int,
-        concurrent_launches: bool = False,
+        compiler_options: Mapping[str, Any] | None = None,
         skip_non_finite: bool = False,
     ):
         self.model = model
@@ -148,12 +149,12 @@ class Trainer:
         self.batch_sharding = partitioning.data_sharding(mesh, rules)
         batch_shardings = dict.fromkeys(BATCH_KEYS, self.batch_sharding)
         replicated = NamedSharding(mesh, PartitionSpec())
-        jit = optim.concurrent_jit if concurrent_launches else jax.jit
-        self.train_step = jit(
+        self.train_step = jax.jit(
             make_train_step(model, self.tx, schedule, seed, skip_non_finite),
             in_shardings=(self.layout.shardings, batch_shardings),
             out_shardings=(self.layout.shardings, replicated),
             donate_argnums=0,
+            compiler_options=dict(compiler_options) if compiler_options else None,
         )
         self.eval_step = jax.jit(
             make_eval_step(model),

@@ -135,7 +135,7 @@ def test_train_step_schema(tmp_path):
         "--no_isolate",
         "--profile_steps",
         "1",
-        "--concurrent",  # the trainer's train step by optim.concurrent_jit (no-op on CPU)
+        "--concurrent",  # compiled with CONCURRENT_OPTIONS (no-op on CPU)
     ]
     written = _read(out, train_step.main([*argv, "--out", str(out)]))
     assert written["config"]["concurrent"] is True
@@ -253,7 +253,7 @@ def test_profile_update_reads_device_kernels():
 def test_profile_update_schema(tmp_path):
     out = tmp_path / "profile_update.json"
     argv = ["--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "1", *TINY]
-    argv += ["--concurrent"]  # each update jitted by optim.concurrent_jit (no-op on CPU)
+    argv += ["--concurrent"]  # each update compiled with CONCURRENT_OPTIONS (no-op on CPU)
     returned = profile_update.main(
         [*argv, "--grad_std", "0.5", "--trace_dir", str(tmp_path / "traces"), "--out", str(out)]
     )
