@@ -67,7 +67,7 @@ SONEW_VARIANTS = {
     "sonew_band4_lag": {"band": 4, "graft_lag": True, **_XLA},
     "sonew_tridiag_bf16": {
         "band": 1,
-        "momentum_dtype": jnp.bfloat16,
+        "mu_dtype": jnp.bfloat16,
         "offdiag_dtype": jnp.bfloat16,
         **_XLA,
     },
@@ -75,7 +75,7 @@ SONEW_VARIANTS = {
     "sonew_tridiag_lag": {"band": 1, "graft_lag": True, **_XLA},
     "sonew_tridiag_bf16_lag": {
         "band": 1,
-        "momentum_dtype": jnp.bfloat16,
+        "mu_dtype": jnp.bfloat16,
         "offdiag_dtype": jnp.bfloat16,
         "graft_lag": True,
         **_XLA,

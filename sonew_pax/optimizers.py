@@ -166,7 +166,7 @@ def _with_defaults(fn: Callable[..., Any], **defaults: Any) -> Callable[..., Any
 
 
 # SONew (`sonew_pax.optim.sonew`, every argument bindable in gin), with weight decay on matrices
-# only. Dtype arguments take names in gin (``sonew.momentum_dtype = "bfloat16"``).
+# only. Dtype arguments take names in gin (``sonew.mu_dtype = "bfloat16"``).
 sonew = gin.external_configurable(
     _with_defaults(optim.sonew, mask=_matrices_only), name="sonew", module=__name__
 )

@@ -267,3 +267,34 @@ def test_apply_gradients_of_a_plain_optax_transformation():
     updates, expect_state = tx.update(grads[0], state, params)
     _assert_close(optax.apply_updates(params, updates), got, 0)
     _assert_close(expect_state, got_state, 0)
+
+
+@pytest.mark.parametrize("wrap", ["optax.chain", "inject_hyperparams", "MultiSteps"])
+def test_wrapped_sonew_falls_back_to_update_then_apply_updates(x64, wrap):
+    """Wrapped in another optax transformation, SONew has no ``apply`` (as its docstring says):
+    ``apply_gradients`` runs ``update`` and ``optax.apply_updates``, and follows the unwrapped
+    optimizer's fused apply step for step."""
+    params, grads = _problem(SHAPES, steps=3)
+    kwargs = dict(band=1, graft_lag=True, weight_decay=0.1, stats_dtype=jnp.float64)
+    wrapped = {
+        "optax.chain": lambda: optax.chain(
+            optax.clip_by_global_norm(1e9), optim.sonew(0.1, **kwargs)
+        ),
+        "inject_hyperparams": lambda: optax.inject_hyperparams(optim.sonew, static_args=("band",))(
+            learning_rate=0.1, **kwargs
+        ),
+        "MultiSteps": lambda: optax.MultiSteps(optim.sonew(0.1, **kwargs), every_k_schedule=1),
+    }[wrap]()
+    assert not isinstance(wrapped, optim.GradientTransformationWithApply)
+    expect = _both_paths(optim.sonew(0.1, **kwargs), params, grads)[1][0]  # the fused apply's
+    got_update, got_apply = (p for p, _ in _both_paths(wrapped, params, grads))
+    _assert_close(expect, got_update, 1e-13)
+    _assert_close(expect, got_apply, 1e-13)
+
+
+def test_band_is_static_under_inject_hyperparams():
+    """``band`` decides the state's shapes: injected as a hyperparameter it is traced when the
+    state is initialised under ``jit``, and the error names the fix (``static_args``)."""
+    tx = optax.inject_hyperparams(optim.sonew)(learning_rate=0.1, band=1)
+    with pytest.raises(ValueError, match=r"static_args=\('band',\)"):
+        jax.jit(tx.init)({"w": jnp.ones((4, 3))})

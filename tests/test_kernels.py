@@ -195,7 +195,7 @@ def test_kernel_with_bf16_storage_and_float32(band, kernel, stack, ahead, use_ke
     shapes = {"mat": (70, 130), "cube": (3, 4, 5), "bias": (60,)}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
-    kwargs = dict(band=band, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
+    kwargs = dict(band=band, eps=0.1, mu_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
     expect_updates, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
     got_updates, got_state = run(
         sonew(0.1, implementation="pallas", kernel_config=config, **kwargs), params, grads
@@ -318,7 +318,7 @@ def test_banded_kernel_with_bf16_storage_and_float32(use_kernel, banded_spy):
     shapes = {k: BANDED_SHAPES[k] for k in ("mat", "deep", "vec")}
     params = {k: jnp.zeros(s, jnp.bfloat16) for k, s in shapes.items()}
     grads = _trajectory(shapes, ["normal", "tiny", "normal", "normal"], dtype=jnp.bfloat16)
-    kwargs = dict(band=4, eps=0.1, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
+    kwargs = dict(band=4, eps=0.1, mu_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
     expect_updates, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
     got_updates, got_state = run(
         sonew(0.1, implementation="pallas", kernel_config=config, **kwargs), params, grads

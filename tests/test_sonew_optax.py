@@ -270,10 +270,10 @@ def test_non_finite_spread_with_graft_lag_reaches_the_whole_tensor_a_step_later(
 
 @pytest.mark.parametrize("band", [0, 1, 4])
 def test_bf16_momentum_and_offdiagonals(band):
-    """``momentum_dtype`` / ``offdiag_dtype`` store m and e in bf16 (d stays fp32): the state
+    """``mu_dtype`` / ``offdiag_dtype`` store m and e in bf16 (d stays fp32): the state
     keeps its dtypes through jitted steps, stays finite on hostile gradients, and the trajectory
     on a small ill-conditioned least-squares problem stays close to the fp32-state one."""
-    bf16 = dict(momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
+    bf16 = dict(mu_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16)
     params = {"w": jnp.zeros((4, 3))}
     state = scale_by_sonew(band=band, **bf16).init(params)
     assert state.m["w"].dtype == jnp.bfloat16 and state.d["w"].dtype == jnp.float32

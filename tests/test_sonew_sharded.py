@@ -223,7 +223,7 @@ def test_sharded_bf16_state_equals_unsharded(band):
     ]
     params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     kwargs = dict(
-        band=band, precondition_1d=True, momentum_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16
+        band=band, precondition_1d=True, mu_dtype=jnp.bfloat16, offdiag_dtype=jnp.bfloat16
     )
     state = assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-3)
     sonew_state = state[0]

@@ -133,7 +133,7 @@ def _static_band(band: Any) -> int | None:
     from the state's shapes.
     """
     if isinstance(band, jax.core.Tracer):
-        return None
+        return None  # under jit; ``update`` reads the band from the state's shapes
     value = np.asarray(band)
     if value.shape or value.dtype == bool or not np.issubdtype(value.dtype, np.number):
         raise ValueError(f"band must be an int (0 diag, 1 tridiag, b banded), got {band!r}.")
@@ -178,7 +178,7 @@ def scale_by_sonew(
     stats_dtype: Any = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    momentum_dtype: Any = None,
+    mu_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
@@ -198,7 +198,7 @@ def scale_by_sonew(
       precondition_1d: precondition tensors with fewer than 2 dimensions too (otherwise they take
         the Adam direction).
       stats_dtype: dtype of ``d`` and of all arithmetic (float32 even for bf16 parameters); also
-        of ``m`` and ``e`` unless ``momentum_dtype`` / ``offdiag_dtype`` say otherwise.
+        of ``m`` and ``e`` unless ``mu_dtype`` / ``offdiag_dtype`` say otherwise.
       mesh: a ``jax.sharding.Mesh``; with ``param_specs``, the update runs under ``shard_map``,
         each device on its block of every tensor (halos from the neighbouring shards), and
         equals the single-device update.
@@ -212,7 +212,7 @@ def scale_by_sonew(
         layout ``jit`` decides) it runs on whole tensors, and ``jit`` may gather sharded ones.
         Either way ``init`` creates each state array where its parameter lives (and by
         ``param_specs`` where given), the scalars replicated.
-      momentum_dtype: storage dtype of the first moment ``m`` (e.g. ``jnp.bfloat16``); ``None``
+      mu_dtype: storage dtype of the first moment ``m`` (e.g. ``jnp.bfloat16``); ``None``
         means ``stats_dtype``. ``m`` is updated in ``stats_dtype`` and rounded when stored.
       offdiag_dtype: storage dtype of the off-diagonal statistics ``e`` (e.g. ``jnp.bfloat16``);
         ``None`` means ``stats_dtype``. The diagonal ``d`` always stays in ``stats_dtype``: the
@@ -272,12 +272,16 @@ def scale_by_sonew(
         )
     static_band = _static_band(band)
     stats_dtype = _as_dtype(stats_dtype)
-    momentum_dtype = stats_dtype if momentum_dtype is None else _as_dtype(momentum_dtype)
+    mu_dtype = stats_dtype if mu_dtype is None else _as_dtype(mu_dtype)
     offdiag_dtype = stats_dtype if offdiag_dtype is None else _as_dtype(offdiag_dtype)
 
     def init_fn(params: optax.Params) -> ScaleBySONewState | ScaleBySONewLagState:
         if static_band is None:
-            raise ValueError("band must be a concrete int when the state is initialised.")
+            raise ValueError(
+                "band must be a concrete int when the state is initialised: it decides the "
+                "state's shapes. Under optax.inject_hyperparams, keep it static: "
+                "inject_hyperparams(sonew, static_args=('band',))."
+            )
         _check_real_floats(params, "parameters")
         # Each state array is created where its parameter lives (as optax's follow the
         # parameters), or by mesh and param_specs; the scalars replicated on that mesh.
@@ -297,7 +301,7 @@ def scale_by_sonew(
         like = lambda dtype: lambda p, at: sharding.zeros_beside(p, dtype, at)  # noqa: E731
         state = ScaleBySONewState(
             count=sharding.zeros((), jnp.int32, scalar),
-            m=jax.tree.map(like(momentum_dtype), params, where, is_leaf=_is_none),
+            m=jax.tree.map(like(mu_dtype), params, where, is_leaf=_is_none),
             d=jax.tree.map(like(stats_dtype), params, where, is_leaf=_is_none),
             e=jax.tree.map(off_diagonals, params, where, is_leaf=_is_none),
         )
@@ -361,7 +365,7 @@ def sonew(
     stats_dtype: Any = jnp.float32,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    momentum_dtype: Any = None,
+    mu_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "auto",
     graft_lag: bool = False,
@@ -369,16 +373,53 @@ def sonew(
 ) -> GradientTransformationWithApply:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
-    ``u`` is :func:`scale_by_sonew`'s grafted direction; weight decay is decoupled (as in AdamW)
-    and ``mask`` selects the parameters it applies to, like ``optax.adamw``'s mask. All other
-    arguments are those of :func:`scale_by_sonew`; ``learning_rate`` is a float or a schedule.
-    With ``graft_lag`` the first ``u`` is zero, so the first update is the weight decay alone.
-
+    ``u`` is :func:`scale_by_sonew`'s grafted direction; weight decay is decoupled (as in AdamW).
     The result is an optax transformation (``init``, ``update``) with ``apply(grads, state,
     params) -> (params, state)`` (``transform.GradientTransformationWithApply``; see
-    ``transform.apply_gradients``): the same step, in which the GPU kernels
-    write the parameters in place where the graft ratio is known before the step, i.e. with
-    ``graft_lag=True`` (or ``graft="none"``): 36 B/param for fp32 tridiag instead of 44.
+    ``transform.apply_gradients``): the same step, in which the GPU kernels write the parameters
+    in place where the graft ratio is known before the step, i.e. with ``graft_lag=True`` (or
+    ``graft="none"``): 36 B/param for fp32 tridiag instead of 44. Wrapped in another optax
+    transformation (``optax.chain(clip, sonew(...))``, ``inject_hyperparams``, ``MultiSteps``)
+    the result has no ``apply``, and ``apply_gradients`` runs ``update`` and
+    ``optax.apply_updates`` instead: the same numbers, one more pass over the parameters
+    (``optim.chain`` keeps the last transformation's ``apply``).
+
+    Swapping it for ``optax.adamw``, mind three differences: ``b2`` defaults to 0.95 (adamw:
+    0.999); ``eps`` is added to the bias-corrected second moment itself, not to its square root
+    (SONew's direction is ``~ m / d``: ``eps`` is on ``g^2``'s scale); and ``graft="none"``
+    leaves the direction at SONew's own scale, which needs its own learning rate (the default
+    grafting gives each tensor Adam's step size, so AdamW's learning rate carries over).
+
+    Args:
+      learning_rate: a float or an optax schedule.
+      b1: decay of the first moment ``m``.
+      b2: decay of the banded second-moment statistics ``d`` and ``e``.
+      eps: damping added to the bias-corrected diagonal of ``H``.
+      band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2).
+        Structural: with ``optax.inject_hyperparams`` pass it in ``static_args``.
+      gamma: Algorithm 3's tolerance for cutting the chain.
+      graft: ``"adam"`` (default) or ``"none"``.
+      graft_eps: epsilon of the Adam direction used for grafting.
+      weight_decay: decoupled weight decay, as ``optax.adamw``'s.
+      mask: which parameters decay, as ``optax.adamw``'s mask (a tree of bools or a function).
+      precondition_1d: precondition tensors with fewer than 2 dimensions too.
+      stats_dtype: dtype of ``d`` and of the arithmetic.
+      mesh: the mesh the update runs on under ``shard_map`` (with ``param_specs``).
+      param_specs: the parameters' ``PartitionSpec``s (or ``NamedSharding``s) on ``mesh``.
+      mu_dtype: storage dtype of the first moment (optax's name); ``None``: ``stats_dtype``.
+      offdiag_dtype: storage dtype of the off-diagonal statistics; ``None``: ``stats_dtype``.
+      implementation: ``"auto"``, ``"xla"`` or ``"pallas"``.
+      graft_lag: scale by the previous step's graft ratio (lets the kernels apply the update).
+      kernel_config: how the GPU kernels tile and launch (``kernels.KernelConfig``).
+
+      :func:`scale_by_sonew` says more of each.
+
+    Returns:
+      A ``GradientTransformationWithApply``.
+
+    References:
+      Devvrit et al., "A Computationally Efficient Sparsified Online Newton Method", NeurIPS
+      2023: Algorithm 1 with Theorems 1 and 2 (the LogDet solutions) and Algorithm 3.
 
     Example::
 
@@ -403,7 +444,7 @@ def sonew(
         stats_dtype=stats_dtype,
         mesh=mesh,
         param_specs=param_specs,
-        momentum_dtype=momentum_dtype,
+        mu_dtype=mu_dtype,
         offdiag_dtype=offdiag_dtype,
         implementation=implementation,
         graft_lag=graft_lag,
