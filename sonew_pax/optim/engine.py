@@ -71,13 +71,14 @@ def _tridiagonal_step(
 ) -> Step:
     """Band 1 on XLA, on a whole tensor or a shard's block: :mod:`pointwise` on the chain shifts
     by one, the rows beyond the block from its ``edge`` (exchanged with those of every other
-    tensor, ``_edges``). The new moments and edge statistics first, then their shifts, so no
-    fusion reads a neighbour's old ``m`` or ``d`` after the new ones are written (XLA then
-    updates them in place); the edges' rows take the same elementwise steps."""
+    tensor, ``_edges``), which holds the *new* moments (:func:`_xla_edge_inputs`). The new
+    moments and edge statistics first, then their shifts, so no fusion reads an old ``m`` or
+    ``d`` after the new ones are written: XLA updates them in place (``e``, whose new statistic
+    reads its old neighbour, it copies)."""
     pre, post = _edge_rows(edge, 1, raw.g.shape)
     m, d = pointwise.moments(raw, hyper)
-    m_pre, d_pre = pointwise.moments(Raw(*pre[:3, 0]), hyper)
-    m_post, d_post = pointwise.moments(Raw(*post[:3, 0]), hyper)
+    m_pre, d_pre = pre[1:3, 0]
+    m_post, d_post = post[1:3, 0]
     here = [raw.g, m, d]
     after = [
         jnp.concatenate([x[1:], y[None]])
@@ -267,21 +268,33 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     the same way travel together: one collective-permute per mesh axes, direction and round
     (``chain.run``), whatever the number of tensors."""
     grads, m, d, e, _, layouts = leaves
+    m, d = list(m), list(d)
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
         band = _band(ei)
-        on_xla_or_kernel = band == 1 or (band > 1 and _on_kernel(kernels, lay, band, hyper))
-        if _has_chain(lay, hyper) and on_xla_or_kernel:
-            groups.setdefault((lay, _band(ei), jnp.dtype(d[k].dtype)), []).append(k)
+        if not _has_chain(lay, hyper):
+            continue
+        kernel = _on_kernel(kernels, lay, band, hyper)
+        if band == 1 and not kernel:
+            m[k], d[k] = _xla_edge_inputs(grads[k], m[k], d[k], hyper)
+        if kernel or band == 1:
+            groups.setdefault((lay, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
     programs = [
         pallas.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
-        for (layout, _, _), members in groups.items()
+        for (layout, *_), members in groups.items()
     ]
     edges: list = [None] * len(grads)
     for members, found in zip(groups.values(), run(parallel(programs)), strict=True):
         for k, x in zip(members, found, strict=True):
             edges[k] = x
     return edges
+
+
+def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> tuple:
+    """The ``m`` and ``d`` whose edges the XLA band-1 step takes: the new moments (the step
+    computes them again, and XLA computes them once), so that no edge reads an old ``m`` or ``d``
+    that the step overwrites in place."""
+    return pointwise.moments(Raw(g.astype(d.dtype), m, d), hyper)
 
 
 # Tensors whose graft ratios one reduction computes. The ratios are then written to one scalar
