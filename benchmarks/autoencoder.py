@@ -51,13 +51,12 @@ Outputs: a printed table; JSON at `--out` (default `benchmarks/results/autoencod
 "paper_train_loss", hyperparameters, "curve", ...}]}`; next to it a loss-curve plot (`.png`) and a
 markdown table against the paper's numbers (`.md`).
 
-Usage: `python benchmarks/autoencoder.py --optimizers all [--dtype bfloat16] [--sweep]`.
+Usage: `python -m benchmarks.autoencoder --optimizers all [--dtype bfloat16] [--sweep]`.
 """
 
 import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -66,13 +65,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import mnist_data
+from benchmarks import common, mnist_data
 
 LAYER_SIZES = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 CODE_LAYER = 3  # index of the dense layer producing the 30-unit code: no activation after it
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 OPTIMIZERS = (
     "sgd",
@@ -427,13 +423,14 @@ def markdown_report(result: dict) -> str:
     )
 
 
-def plot_curves(rows: list[dict], path: Path) -> None:
-    """Mean minibatch loss per epoch for every run: the whole run, and the second half zoomed."""
-    import matplotlib
+def plot_curves(rows: list[dict], path: Path) -> bool:
+    """Mean minibatch loss per epoch for every run: the whole run, and the second half zoomed.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    Returns False (and draws nothing) when matplotlib is missing.
+    """
+    plt = common.pyplot()
+    if plt is None:
+        return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     for row in rows:
         label = f"{row['optimizer']} lr={row['learning_rate']:.3g} eps={row['eps']:.3g}"
@@ -453,17 +450,18 @@ def plot_curves(rows: list[dict], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    return True
 
 
 def default_out(args) -> Path:
     """benchmarks/results/autoencoder[_bf16][_sweep].json."""
     suffix = ("_bf16" if args.dtype == "bfloat16" else "") + ("_sweep" if args.sweep else "")
-    return RESULTS_DIR / f"autoencoder{suffix}.json"
+    return common.RESULTS / f"autoencoder{suffix}.json"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     p.add_argument("--optimizers", default="all", help=f"comma list of {OPTIMIZERS} or 'all'")
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--warmup_epochs", type=float, default=5.0)
@@ -514,11 +512,13 @@ def previous_rows(args, header: dict) -> list[dict]:
     return [r for r in previous["rows"] if r["optimizer"] not in args.optimizers]
 
 
-def write_outputs(args, result: dict) -> None:
-    """The JSON, its markdown report and the loss-curve plot."""
+def write_outputs(args, result: dict) -> list[str]:
+    """The JSON, its markdown report and the loss-curve plot (where matplotlib is installed);
+    returns the suffixes written beside the JSON."""
     common.write_json(args.out, result)
     common.write_text(args.out.with_suffix(".md"), markdown_report(result))
-    plot_curves(result["rows"], args.out.with_suffix(".png"))
+    plotted = plot_curves(result["rows"], args.out.with_suffix(".png"))
+    return [".md", ".png"] if plotted else [".md"]
 
 
 def main(argv=None) -> dict:
@@ -536,9 +536,9 @@ def main(argv=None) -> dict:
             result["rows"] + new_rows, key=lambda r: OPTIMIZERS.index(r["optimizer"])
         )
         result["date"] = common.utc_date()
-        write_outputs(args, result)
+        written = write_outputs(args, result)
     print(common.format_table(result["rows"], ROW_COLUMNS))
-    print(f"wrote {args.out} (+ .md, .png)")
+    print(f"wrote {args.out} (+ {', '.join(written)})")
     return result
 
 

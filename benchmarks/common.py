@@ -1,4 +1,5 @@
-"""Small helpers shared by the benchmark scripts: flags, device name, date, JSON output, tables."""
+"""Small helpers shared by the benchmark scripts: flags, device name, date, JSON output, tables,
+child processes and plots."""
 
 import argparse
 import ast
@@ -9,12 +10,34 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def argument_parser(doc: str) -> argparse.ArgumentParser:
+    """A script's argument parser, described by the first paragraph of its docstring ``doc``."""
+    return argparse.ArgumentParser(description=doc.split("\n\n")[0])
+
+
+def add_out_arg(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--out``: the JSON output path, by default ``benchmarks/results/<name>.json``."""
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS / f"{name}.json", help="JSON output path"
+    )
+
+
+def module_command(name: str) -> list[str]:
+    """The command that runs benchmark ``name`` in a fresh process of this interpreter:
+    ``python -m benchmarks.<name>`` (from the repository root, as every benchmark runs)."""
+    return [sys.executable, "-m", f"{__package__}.{name}"]
 
 
 def add_model_args(
@@ -89,6 +112,32 @@ def add_timing_args(parser: argparse.ArgumentParser, *, warmup: int, iters: int)
     parser.add_argument(
         "--iters", type=int_at_least(1), default=iters, help="timed steps (median reported)"
     )
+
+
+def add_profile_steps_arg(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--profile_steps N`` (default 0: none): after timing, trace N steps with ``jax.profiler``
+    (``device_trace.trace_steps``) and report ``what``."""
+    parser.add_argument(
+        "--profile_steps",
+        type=int_at_least(0),
+        default=0,
+        help=f"after timing, trace this many steps with jax.profiler and {what}",
+    )
+
+
+def parse_tiles(text: str) -> list[tuple[int, int, int]]:
+    """An argparse type: ``RxCxW,...``, tiles of ``(rows, cols, num_warps)``, powers of 2
+    (Triton's block shapes and warp counts)."""
+    tiles = []
+    for tile in text.split(","):
+        parts = tile.split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"tile {tile!r} is not rows x cols x warps")
+        values = tuple(int(p) for p in parts)
+        if any(v & (v - 1) for v in values):
+            raise argparse.ArgumentTypeError(f"tile {tile!r}: every number must be a power of 2")
+        tiles.append(values)
+    return tiles
 
 
 def _kernel_override(text: str) -> tuple[str, Any]:
@@ -171,23 +220,26 @@ def jit_for(args: argparse.Namespace) -> Callable:
     return functools.partial(jax.jit, compiler_options=compiler_options(args))
 
 
+def run_config(args: argparse.Namespace) -> dict:
+    """What every timing ran under, for a result's config: ``--concurrent``, JAX's version,
+    ``XLA_FLAGS`` and the ``--kernel`` fields (where any)."""
+    return {
+        "concurrent": getattr(args, "concurrent", False),
+        "jax": jax.__version__,
+        "xla_flags": xla_flags(),
+        **({"kernel": {k: repr(v) for k, v in args.kernel}} if args.kernel else {}),
+    }
+
+
 def lm_set_result(args: argparse.Namespace, params: int, **config: Any) -> dict:
     """A result of the LM-set benchmarks (``lm_shapes.add_args``, ``add_kernel_arg``) with no rows
     yet: the device, date, parameter count and a config of the set's ``--scale`` and ``--layers``,
-    the script's own ``config``, JAX's version, ``XLA_FLAGS`` and the ``--kernel`` fields."""
+    the script's own ``config`` and :func:`run_config`."""
     return {
         "device": device_name(),
         "date": utc_date(),
         "params": params,
-        "config": {
-            "scale": args.scale,
-            "layers": args.layers,
-            **config,
-            "concurrent": getattr(args, "concurrent", False),
-            "jax": jax.__version__,
-            "xla_flags": xla_flags(),
-            **({"kernel": {k: repr(v) for k, v in args.kernel}} if args.kernel else {}),
-        },
+        "config": {"scale": args.scale, "layers": args.layers, **config, **run_config(args)},
         "rows": [],
     }
 
@@ -302,3 +354,18 @@ def launch_counts(hlo_text: str) -> dict[str, int]:
     }
     counts["kernels"] = sum(counts.values())
     return counts
+
+
+def pyplot(hint: str = ""):
+    """matplotlib's ``pyplot`` drawing to files (the Agg backend), or None where matplotlib, the
+    ``[bench]`` extra, is missing: then a line on stdout says so (and ``hint``)."""
+    try:
+        import matplotlib
+    except ImportError:
+        extra = f"; {hint}" if hint else ""
+        print(f"matplotlib missing: no plot (pip install -e '.[bench]'){extra}", flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt

@@ -6,7 +6,7 @@ band 4 on an H100. ``trainer.train`` keeps JAX's persistent compilation cache in
 (``trainer.persistent_compilation_cache``), so a run restarted after a preemption loads its
 compiled step instead. This measures what that saves, and that the loaded executable computes the
 same thing: for each optimizer, two fresh processes build the donated update of
-``update_speed.py`` (``update_speed.make_update``) on the LM-shaped tensors and compile it inside
+``update_speed`` (``updates.make_update``) on the LM-shaped tensors and compile it inside
 ``trainer.persistent_compilation_cache`` at one directory. The first finds it empty and writes the
 entry (``cold``), the second reads it (``warm``). Each process reports:
 
@@ -25,13 +25,12 @@ Output: a table, and ``--out`` (default ``benchmarks/results/compile_cache.json`
 "date", "params", "config", "rows": [{"optimizer", "cold_lower_s", "cold_compile_s",
 "warm_lower_s", "warm_compile_s", "compile_speedup", "warm_hit", "same_result"}]}``.
 
-Usage: ``python benchmarks/compile_cache.py [--optimizers sonew_band4_lag_pallas] [--layers 2]``.
+Usage: ``python -m benchmarks.compile_cache [--optimizers sonew_band4_lag_pallas] [--layers 2]``.
 """
 
 import argparse
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,14 +38,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import lm_shapes
-import update_speed
-
+from benchmarks import common, lm_shapes, updates
 from sonew_pax import trainer
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "compile_cache.json"
 COLUMNS = (
     "optimizer",
     "cold_lower_s",
@@ -64,9 +58,9 @@ def compile_once(name: str, cache_dir: str, args: argparse.Namespace) -> dict:
     ``args.steps`` times; its seconds, whether the cache hit, and the parameters' checksum."""
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     shapes = lm_shapes.from_args(args)
-    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=update_speed.GRAD_STD)
-    tx = update_speed.make_optimizer(name, common.kernel_config(args))
-    update, (params, state) = update_speed.fresh_update(tx, shapes)
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=updates.GRAD_STD)
+    tx = updates.make_optimizer(name, common.kernel_config(args))
+    update, (params, state) = updates.fresh_update(tx, shapes)
     # Only jit_update compiles in here.
     with trainer.persistent_compilation_cache(cache_dir), trainer.CacheHits() as hits:
         start = time.perf_counter()
@@ -89,7 +83,8 @@ def run_child(name: str, cache_dir: Path, args: argparse.Namespace) -> dict:
     """:func:`compile_once` in a fresh process (nothing compiled, no in-memory cache)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "child.json"
-        argv = [sys.executable, __file__, "--optimizers", name, "--steps", str(args.steps)]
+        argv = [*common.module_command("compile_cache"), "--optimizers", name]
+        argv += ["--steps", str(args.steps)]
         argv += ["--scale", str(args.scale), "--layers", str(args.layers)]
         argv += [*common.kernel_argv(args), "--child", str(cache_dir), "--out", str(out)]
         proc = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -123,9 +118,9 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     common.add_optimizers_arg(
-        p, update_speed.OPTIMIZERS, "adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas"
+        p, updates.OPTIMIZERS, "adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas"
     )
     lm_shapes.add_args(p)
     p.add_argument(
@@ -133,7 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     common.add_kernel_arg(p)
     p.add_argument("--child", help=argparse.SUPPRESS)  # the cache directory of one process
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    common.add_out_arg(p, "compile_cache")
     return p.parse_args(argv)
 
 

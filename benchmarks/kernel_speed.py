@@ -3,8 +3,8 @@
 Two parts, to find where an update's time goes:
 
 * **one tensor** (``--shape``, default 4096 x 4096 float32): the achieved bandwidth of a plain copy,
-  of the whole jitted update (``update_speed.make_update``: ``optim.apply_gradients``, params
-  and state donated) for AdamW and the SONew variants of ``update_speed.py``, and of the kernel
+  of the whole jitted update (``updates.make_update``: ``optim.apply_gradients``, params
+  and state donated) for AdamW and the SONew variants of ``updates``, and of the kernel
   alone (``kernels.leaf_update``) for several ``(rows, cols, num_warps)`` tiles (``--tiles``
   for band 0's kernel, ``--scan_tiles`` for band 1's scan kernel, whose columns must cover its
   lanes). ``gbps`` counts the bytes each one
@@ -17,26 +17,20 @@ Output: the tables, and ``--out`` (default ``benchmarks/results/kernel_speed.jso
 ``{"device", "date", "shape", "rows": [{"name", "ms", "gbps", "bytes"}], "hlo": [{"optimizer",
 "fusions", "custom_calls", "copies", "kernels"}]}``.
 
-Usage: ``python benchmarks/kernel_speed.py [--shape 4096,4096] [--iters 30]``.
+Usage: ``python -m benchmarks.kernel_speed [--shape 4096,4096] [--iters 30]``.
 """
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import lm_shapes
-import update_speed
-
+from benchmarks import common, lm_shapes, update_speed, updates
 from sonew_pax.optim import kernels, pointwise
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kernel_speed.json"
 # (rows, cols, num_warps) of a program's tile, as ``--tiles`` and ``--scan_tiles`` spell them
 TILES = "16x64x4,16x64x8,8x64x4,8x128x4,8x128x8,16x128x8,32x64x8,32x32x4,16x32x2"
 SCAN_TILES = "64x64x2,32x64x2,64x128x4,128x32x2,32x128x2"
@@ -71,16 +65,16 @@ def time_update(name: str, shape, args) -> tuple[float, int]:
     """(median ms, floor bytes) of ``update_speed``'s donated update on one tensor."""
     shapes = {"w": jax.ShapeDtypeStruct(shape, jnp.float32)}
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
-    timing = update_speed.time_optimizer(update_speed.make_optimizer(name), shapes, grads, args)
+    timing = update_speed.time_optimizer(updates.make_optimizer(name), shapes, grads, args)
     return timing.ms, timing.bytes
 
 
 def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:
     """Kernel launches in the compiled update of ``shapes`` for optimizer ``name``; the compiled
     HLO is written to ``hlo_dir/<name>.txt`` when given."""
-    tx = update_speed.make_optimizer(name)
+    tx = updates.make_optimizer(name)
     state = jax.eval_shape(tx.init, shapes)
-    text = update_speed.make_update(tx).lower(shapes, state, shapes).compile().as_text()
+    text = updates.make_update(tx).lower(shapes, state, shapes).compile().as_text()
     if hlo_dir is not None:
         hlo_dir.mkdir(parents=True, exist_ok=True)
         (hlo_dir / f"{name}.txt").write_text(text)
@@ -88,41 +82,27 @@ def hlo_counts(name: str, shapes, hlo_dir: Path | None) -> dict:
     return {"optimizer": name, **counts}
 
 
-def parse_tiles(text: str) -> list[tuple[int, int, int]]:
-    """``--tiles``: ``RxCxW,...`` with powers of 2 (Triton's block shapes and warp counts)."""
-    tiles = []
-    for tile in text.split(","):
-        parts = tile.split("x")
-        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"tile {tile!r} is not rows x cols x warps")
-        values = tuple(int(p) for p in parts)
-        if any(v & (v - 1) for v in values):
-            raise argparse.ArgumentTypeError(f"tile {tile!r}: every number must be a power of 2")
-        tiles.append(values)
-    return tiles
-
-
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     p.add_argument("--shape", default="4096,4096", help="the single tensor's shape")
     common.add_timing_args(p, warmup=3, iters=30)
     p.add_argument(
         "--tiles",
-        type=parse_tiles,
+        type=common.parse_tiles,
         default=TILES,
         help="band 0's tiles, rows x cols x warps (powers of 2), comma-separated",
     )
     p.add_argument(
         "--scan_tiles",
-        type=parse_tiles,
+        type=common.parse_tiles,
         default=SCAN_TILES,
         help="band 1's scan kernel tiles, as --tiles; cols >= 32 x warps",
     )
-    p.add_argument("--updates", default=UPDATES, help="whole updates to time (update_speed names)")
+    p.add_argument("--updates", default=UPDATES, help="whole updates to time (updates.OPTIMIZERS)")
     p.add_argument("--no_hlo", action="store_true", help="skip the LM-set HLO counts")
     p.add_argument("--hlo_dir", type=Path, help="also write each compiled LM-set update's HLO here")
     lm_shapes.add_args(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    common.add_out_arg(p, "kernel_speed")
     return p.parse_args(argv)
 
 

@@ -43,7 +43,7 @@ Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"devi
 ``<name>.md`` (tables) and ``<name>.png`` (eval loss vs step: best run per optimizer, the sweep
 faint).
 
-Usage: ``python benchmarks/lm_convergence.py`` (GPU defaults); ``--model tiny`` for CPU;
+Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` for CPU;
 ``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--seeds 0,1,2`` runs every setting
 from each seed (one process, one compiled step per optimizer); ``--merge A.json B.json`` merges
 results of other seeds; ``--plot_only`` redraws the PNG and markdown from an existing JSON.
@@ -55,7 +55,6 @@ import dataclasses
 import functools
 import json
 import math
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -65,16 +64,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import train_step
-
+from benchmarks import common, train_step
 from sonew_pax import data, optimizers, partitioning, train_state
 from sonew_pax.models import Transformer, count_params
 from sonew_pax.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "lm_convergence.json"
 OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
 SOURCES = ("shakespeare", "shakespeare+kjv")
 BASELINE = "adamw"
@@ -604,14 +598,9 @@ def plot(result: dict, path: Path) -> bool:
 
     Returns False (and draws nothing) when matplotlib is missing.
     """
-    try:
-        import matplotlib
-    except ImportError:
-        print("matplotlib missing: no plot (rerun with --plot_only where it is)", flush=True)
+    plt = common.pyplot("rerun with --plot_only where it is")
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     best = {run_key(row) for row in result["rows"]}
     runs = mean_over_seeds(result["runs"], seeds_of(result["config"]))
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
@@ -852,7 +841,7 @@ def _vocab_size(text: str) -> int:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     common.add_model_args(
         p, model="small", dtype="float32", layers=True, batch_size=32, seq_len=256
     )
@@ -906,7 +895,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help=f"SONew's decay of d and e (default {B2}, AdamW's; the paper's LM runs used 0.99 for "
         "Adafactor's second moment)",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (.md, .png beside)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=common.RESULTS / "lm_convergence.json",
+        help="JSON path (.md, .png beside)",
+    )
     p.add_argument(
         "--plot_only",
         action="store_true",

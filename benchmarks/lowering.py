@@ -14,14 +14,14 @@ Per optimizer (each with empty tracing caches): ``trace_s`` (Python tracing to a
 Pallas kernels' bodies included), ``lower_s`` (to StableHLO, the kernels to Triton IR), the
 module's size, ``launches`` (Triton calls in the update), ``programs`` (distinct Triton
 modules among them, what XLA compiles), also per kernel name, and ``triton_mb`` (their bytecode's
-size, in MB: what Triton compiles). On a GPU, ``compile_cache.py``
+size, in MB: what Triton compiles). On a GPU, ``compile_cache``
 times the compile itself.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/lowering.json``) ``{"device",
 "date", "params", "config", "rows": [{"optimizer", "trace_s", "lower_s", "mlir_mb", "launches",
 "programs", "triton_mb", "programs_by_kernel"}]}``.
 
-Usage: ``python benchmarks/lowering.py [--optimizers sonew_band4_lag_pallas] [--layers 24]``.
+Usage: ``python -m benchmarks.lowering [--optimizers sonew_band4_lag_pallas] [--layers 24]``.
 """
 
 import argparse
@@ -30,21 +30,14 @@ import contextlib
 import functools
 import importlib
 import re
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import lm_shapes
-import update_speed
-
+from benchmarks import common, lm_shapes, updates
 from sonew_pax.optim.kernels import halo, launch
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "lowering.json"
 COLUMNS = (
     "optimizer",
     "trace_s",
@@ -104,14 +97,14 @@ def _bytes(ir: str) -> int:
 
 
 def lower(name: str, shapes, args: argparse.Namespace) -> dict:
-    """``name``'s donated update of the LM set's ``shapes`` (``update_speed.make_update``, jitted
+    """``name``'s donated update of the LM set's ``shapes`` (``updates.make_update``, jitted
     by ``common.jit_for``), lowered for CUDA."""
     launch.step_call.cache_clear()
     halo.halo_call.cache_clear()
     jax.clear_caches()
     with compiled_kernels():
-        tx = update_speed.make_optimizer(name, common.kernel_config(args))
-        update = update_speed.make_update(tx, common.jit_for(args))
+        tx = updates.make_optimizer(name, common.kernel_config(args))
+        update = updates.make_update(tx, common.jit_for(args))
         state = jax.eval_shape(tx.init, shapes)
         start = time.perf_counter()
         traced = update.trace(shapes, state, shapes)
@@ -133,14 +126,14 @@ def lower(name: str, shapes, args: argparse.Namespace) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     common.add_optimizers_arg(
-        p, update_speed.OPTIMIZERS, "adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas"
+        p, updates.OPTIMIZERS, "adamw,sonew_tridiag_lag_pallas,sonew_band4_lag_pallas"
     )
     lm_shapes.add_args(p)
     common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    common.add_out_arg(p, "lowering")
     return p.parse_args(argv)
 
 

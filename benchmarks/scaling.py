@@ -27,7 +27,7 @@ Output: tables, ``--out`` (default ``benchmarks/results/scaling.json``) ``{"devi
 "loss_diff", ...}], "loss_agreement": {optimizer: {...}}}`` and the same tables as markdown next to
 it (``.md``). Both are rewritten after every row, so a run cut short keeps what it measured.
 
-Usage: ``python benchmarks/scaling.py [--parts update,train] [--bands 1] [--iters 10]``. On CPU,
+Usage: ``python -m benchmarks.scaling [--parts update,train] [--bands 1] [--iters 10]``. On CPU,
 simulate devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
 """
 
@@ -39,26 +39,10 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import lm_shapes
-import sharded_update
-import train_step
+from benchmarks import common, lm_shapes, sharded_update, train_step
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "scaling.json"
 PARTS = ("update", "train")
-UPDATE_COLUMNS = (
-    "band",
-    "devices",
-    "variant",
-    "mesh",
-    "ms_1dev",
-    "ms_sharded",
-    "speedup",
-    "scaling_efficiency",
-    "max_rel_diff",
-    "equal",
-)
+UPDATE_COLUMNS = ("band", "devices", *sharded_update.COLUMNS[1:])
 TRAIN_COLUMNS = (
     "optimizer",
     "mesh",
@@ -87,18 +71,14 @@ PROBE = (
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     p.add_argument("--parts", default=",".join(PARTS), help="update and/or train, in run order")
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    common.add_out_arg(p, "scaling")
     p.add_argument("--no_isolate", action="store_true", help="run every part in this process")
     u = p.add_argument_group("update part (sharded_update)")
     lm_shapes.add_args(u)
     u.add_argument("--device_counts", default="", help="e.g. 1,2,4 (default: 1, 2, 4, .. N)")
-    u.add_argument("--bands", default="1", help="comma-separated SONew bands, e.g. 0,1,4")
-    u.add_argument("--variants", default=",".join(sharded_update.VARIANTS))
-    u.add_argument("--data", type=int, default=2, help="data-axis size of the data_model variant")
-    u.add_argument("--check_steps", type=int, default=3, help="steps before the comparison")
-    u.add_argument("--tol", type=float, default=1e-5, help="max_rel_diff counted as equal")
+    sharded_update.add_variant_args(u)
     u.add_argument("--update_warmup", type=int, default=2, help="untimed update steps")
     u.add_argument("--update_iters", type=int, default=10, help="timed update steps (median)")
     t = p.add_argument_group("train part (train_step)")
@@ -247,7 +227,7 @@ def run_update(args: argparse.Namespace, result: dict) -> dict:
 def run_update_isolated(args: argparse.Namespace, argv: list[str], result: dict) -> dict:
     """The update part in a subprocess (which writes the outputs); its rows read back from them."""
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), *argv, "--worker", "update"], check=False
+        [*common.module_command("scaling"), *argv, "--worker", "update"], check=False
     )
     if proc.returncode:
         print(f"update part failed (exit {proc.returncode}); keeping the rows it wrote", flush=True)

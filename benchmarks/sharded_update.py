@@ -22,28 +22,21 @@ Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json
 "ms_1dev", "ms_sharded", "speedup", "scaling_efficiency", "max_rel_diff", "equal",
 "collectives"}]}``.
 
-Usage: ``python benchmarks/sharded_update.py [--devices 2] [--bands 1] [--scale 1]``. On CPU,
+Usage: ``python -m benchmarks.sharded_update [--devices 2] [--bands 1] [--scale 1]``. On CPU,
 simulate devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
 """
 
 import argparse
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import lm_shapes
-import update_speed
-
+from benchmarks import common, lm_shapes, updates
 from sonew_pax import optim
 
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "sharded_update.json"
 VARIANTS = ("model", "data_model")
 COLUMNS = (
     "band",
@@ -57,8 +50,6 @@ COLUMNS = (
     "equal",
 )
 COLLECTIVES = ("all-gather", "all-to-all", "collective-permute", "all-reduce", "reduce-scatter")
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.1
 
 
 def make_sonew(band: int, mesh: Mesh | None = None, specs=None):
@@ -71,9 +62,9 @@ def make_sonew(band: int, mesh: Mesh | None = None, specs=None):
     """
     implementation = "pallas" if mesh is None and jax.default_backend() == "gpu" else "auto"
     return optim.sonew(
-        LEARNING_RATE,
+        updates.LEARNING_RATE,
         band=band,
-        weight_decay=WEIGHT_DECAY,
+        weight_decay=updates.WEIGHT_DECAY,
         mesh=mesh,
         param_specs=specs,
         implementation=implementation,
@@ -128,7 +119,7 @@ def run_steps(update, carry, grads, steps: int):
 def single_device(band: int, shapes, args) -> tuple[tuple, float]:
     """The unsharded reference: (params, state) after ``check_steps``, and its median ms."""
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
-    update, carry = update_speed.fresh_update(make_sonew(band), shapes)
+    update, carry = updates.fresh_update(make_sonew(band), shapes)
     reference = run_steps(update, carry, grads, args.check_steps)
     median, _, _ = common.time_steps(
         lambda c: update(*c, grads), copy_tree(reference), args.warmup, args.iters
@@ -144,7 +135,7 @@ def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, d
     params = jax.device_put(lm_shapes.random_tree(shapes, jax.random.key(1)), param_sh)
     grads = jax.device_put(lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3), param_sh)
     state = jax.jit(tx.init, out_shardings=state_sh)(params)
-    update = update_speed.make_update(
+    update = updates.make_update(
         tx, in_shardings=(param_sh, state_sh, param_sh), out_shardings=(param_sh, state_sh)
     )
     compiled = update.lower(params, state, grads).compile()
@@ -201,18 +192,26 @@ def bench_variants(band: int, shapes, devices: list, args, reference, ms_1dev: f
     return rows
 
 
+def add_variant_args(parser: argparse.ArgumentParser) -> None:
+    """The flags of what is compared (``parser`` may be an argument group): ``--data``,
+    ``--bands``, ``--variants``, ``--check_steps`` and ``--tol``."""
+    parser.add_argument(
+        "--data", type=int, default=2, help="data-axis size of the data_model variant"
+    )
+    parser.add_argument("--bands", default="1", help="comma-separated SONew bands, e.g. 0,1,4")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="model and/or data_model")
+    parser.add_argument("--check_steps", type=int, default=3, help="steps before the comparison")
+    parser.add_argument("--tol", type=float, default=1e-5, help="max_rel_diff counted as equal")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     lm_shapes.add_args(p)
     p.add_argument("--devices", type=int, default=0, help="devices to shard over (0: all)")
-    p.add_argument("--data", type=int, default=2, help="data-axis size of the data_model variant")
-    p.add_argument("--bands", default="1", help="comma-separated SONew bands, e.g. 0,1,4")
-    p.add_argument("--variants", default=",".join(VARIANTS), help="model and/or data_model")
-    p.add_argument("--check_steps", type=int, default=3, help="steps before the comparison")
-    p.add_argument("--tol", type=float, default=1e-5, help="max_rel_diff counted as equal")
+    add_variant_args(p)
     common.add_timing_args(p, warmup=3, iters=30)
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    common.add_out_arg(p, "sharded_update")
     return p.parse_args(argv)
 
 

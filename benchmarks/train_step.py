@@ -25,12 +25,12 @@ Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
 ``span_ms`` (the time at least one kernel ran: less than ``busy_ms`` where kernels overlap),
 ``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
-(``profile_update.py``; ``--profile_families 400`` keeps them all).
-SONew rows are ``update_speed.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels; the trainer
+(``device_trace``; ``--profile_families 400`` keeps them all).
+SONew rows are ``updates.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels; the trainer
 applies through ``optim.apply_gradients``, so in ``*_lag_pallas`` rows the kernels write the
 parameters: the fused apply).
 
-Usage: ``python benchmarks/train_step.py [--model 350m] [--batch_size 8] [--seq_len 1024]``.
+Usage: ``python -m benchmarks.train_step [--model 350m] [--batch_size 8] [--seq_len 1024]``.
 """
 
 import argparse
@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import json
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,18 +46,12 @@ import jax
 import numpy as np
 import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import profile_update
-import update_speed
-
+from benchmarks import common, device_trace, updates
 from sonew_pax import optim, optimizers, partitioning
 from sonew_pax.models import Transformer, TransformerConfig, count_params
 from sonew_pax.trainer import Trainer
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "train_step.json"
-OPTIMIZERS = ("adamw", "adafactor", *update_speed.SONEW_VARIANTS)
+OPTIMIZERS = ("adamw", "adafactor", *updates.SONEW_VARIANTS)
 COLUMNS = (
     "optimizer",
     "step_ms",
@@ -73,8 +66,6 @@ COLUMNS = (
     "busy_ms",
 )
 PROFILE_FAMILIES = 16
-LEARNING_RATE = 1e-4
-WEIGHT_DECAY = 0.1
 
 
 def load_model_config(
@@ -84,7 +75,7 @@ def load_model_config(
     import gin
 
     gin.clear_config()
-    gin.parse_config_file(str(ROOT / "configs" / "models" / f"{model}.gin"))
+    gin.parse_config_file(str(common.ROOT / "configs" / "models" / f"{model}.gin"))
     config = gin.get_configurable(TransformerConfig)()
     gin.clear_config()
     overrides = {"dtype": dtype, "num_layers": layers}
@@ -95,13 +86,13 @@ def optimizer_factory(name: str, unsharded: bool, kernel_config=None):
     """``make_optimizer`` (clipping + the named optimizer) as the Trainer calls it; SONew's
     kernels configured by ``kernel_config`` (default ``optim.KernelConfig()``)."""
     if name == "adamw":
-        factory = functools.partial(optimizers.adamw, weight_decay=WEIGHT_DECAY)
+        factory = functools.partial(optimizers.adamw, weight_decay=updates.WEIGHT_DECAY)
     elif name == "adafactor":
         factory = optimizers.adafactor
     else:
-        kwargs = update_speed.SONEW_VARIANTS[name]
+        kwargs = updates.SONEW_VARIANTS[name]
         kwargs = kwargs | {"kernel_config": kernel_config or optim.KernelConfig()}
-        factory = functools.partial(optimizers.sonew, weight_decay=WEIGHT_DECAY, **kwargs)
+        factory = functools.partial(optimizers.sonew, weight_decay=updates.WEIGHT_DECAY, **kwargs)
     if unsharded:
         plain = factory
 
@@ -144,7 +135,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     trainer = Trainer(
         Transformer(config),
         optimizer,
-        optax.constant_schedule(LEARNING_RATE),
+        optax.constant_schedule(updates.LEARNING_RATE),
         mesh,
         rules,
         (args.batch_size, args.seq_len),
@@ -166,7 +157,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         pipelined, carry = common.time_pipelined(step, carry, args.iters)
         profile = {}
         if args.profile_steps:
-            summary, carry = profile_update.trace_steps(step, carry, args.profile_steps)
+            summary, carry = device_trace.trace_steps(step, carry, args.profile_steps)
             profile = {
                 "busy_ms": summary["busy_ms"],
                 "span_ms": summary["span_ms"],
@@ -194,8 +185,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
     """Command line that runs one optimizer's measurement in a fresh Python process."""
     argv = [
-        sys.executable,
-        str(Path(__file__).resolve()),
+        *common.module_command("train_step"),
         "--worker",
         name,
         "--row_out",
@@ -260,7 +250,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     common.add_model_args(
         p, model="350m", dtype="bfloat16", layers=True, batch_size=8, seq_len=1024
     )
@@ -270,13 +260,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_timing_args(p, warmup=3, iters=20)
     common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
-    p.add_argument(
-        "--profile_steps",
-        type=common.int_at_least(0),
-        default=0,
-        help="after timing, trace this many steps with jax.profiler and add the device's kernel "
-        "time per step (busy_ms), kernel count and the top --profile_families kernel families "
-        "to each row (profile_update.py's summary)",
+    common.add_profile_steps_arg(
+        p,
+        "add the device's kernel time per step (busy_ms), kernel count and the top "
+        "--profile_families kernel families to each row (profile_update's summary)",
     )
     p.add_argument(
         "--profile_families",
@@ -294,7 +281,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         action="store_true",
         help="run every optimizer in this process (peak memory then accumulates)",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    common.add_out_arg(p, "train_step")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--row_out", type=Path, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -319,11 +306,8 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "warmup": args.warmup,
             "iters": args.iters,
             "unsharded_optimizer": args.unsharded_optimizer,
-            "concurrent": args.concurrent,
             "isolated": not args.no_isolate,
-            "jax": jax.__version__,
-            "xla_flags": common.xla_flags(),
-            **({"kernel": {k: repr(v) for k, v in args.kernel}} if args.kernel else {}),
+            **common.run_config(args),
         },
         "rows": [{k: v for k, v in r.items() if k not in ("device", "params")} for r in rows],
     }

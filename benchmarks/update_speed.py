@@ -21,7 +21,7 @@ its bandwidth is the practical ceiling, and ``floor_ratio`` = time / (floor byte
 Time to ``block_until_ready`` includes the host's dispatch of the update (arguments, launches),
 the same few milliseconds for every optimizer of this set. ``--profile_steps N`` also traces N
 steps per optimizer with ``jax.profiler`` and reports the device's kernel time per step
-(``busy_ms``, ``profile_update.py``'s measure) and its ratio to AdamW's: the update's cost on the
+(``busy_ms``, ``profile_update``'s measure) and its ratio to AdamW's: the update's cost on the
 device, which in a training loop the next step's dispatch overlaps; and ``span_ms``, the time at
 least one kernel ran, which is ``busy_ms`` when the kernels run one at a time and less where they
 overlap (``--concurrent``: every row's update compiled with ``kernels.CONCURRENT_OPTIONS``; the
@@ -38,56 +38,17 @@ SONew rows use the XLA implementation (``implementation="xla"``); each ``*_palla
 same optimizer with the Pallas kernels of ``sonew_pax/optim/kernels`` (``sonew``'s default on GPU,
 ``"auto"``). ``*_lag`` rows scale by the previous step's graft ratio (``graft_lag=True``).
 
-Usage: ``python benchmarks/update_speed.py [--scale 1] [--layers 24] [--iters 50]``.
+Usage: ``python -m benchmarks.update_speed [--scale 1] [--layers 24] [--iters 50]``.
 """
 
 import argparse
-import sys
-from collections.abc import Callable
-from pathlib import Path
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import common
-import lm_shapes
+from benchmarks import common, device_trace, lm_shapes, updates
 
-from sonew_pax import optim
-
-DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "update_speed.json"
-# SONew variants by name: their ``sonew`` keyword arguments (besides the learning rate and decay).
-_XLA = {"implementation": "xla"}
-SONEW_VARIANTS = {
-    "sonew_diag": {"band": 0, **_XLA},
-    "sonew_tridiag": {"band": 1, **_XLA},
-    "sonew_band4": {"band": 4, **_XLA},
-    "sonew_band4_lag": {"band": 4, "graft_lag": True, **_XLA},
-    "sonew_tridiag_bf16": {
-        "band": 1,
-        "mu_dtype": jnp.bfloat16,
-        "offdiag_dtype": jnp.bfloat16,
-        **_XLA,
-    },
-    "sonew_diag_lag": {"band": 0, "graft_lag": True, **_XLA},
-    "sonew_tridiag_lag": {"band": 1, "graft_lag": True, **_XLA},
-    "sonew_tridiag_bf16_lag": {
-        "band": 1,
-        "mu_dtype": jnp.bfloat16,
-        "offdiag_dtype": jnp.bfloat16,
-        "graft_lag": True,
-        **_XLA,
-    },
-}
-# The variants the Pallas kernels serve, also with them ("<name>_pallas").
-PALLAS_VARIANTS = {
-    f"{name}_pallas": {**kwargs, "implementation": "pallas"}
-    for name, kwargs in SONEW_VARIANTS.items()
-}
-SONEW_VARIANTS.update(PALLAS_VARIANTS)
-OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 COLUMNS = (
     "optimizer",
     "ms",
@@ -104,44 +65,6 @@ COLUMNS = (
     "span_ms",
     "span_ratio_vs_adamw",
 )
-LEARNING_RATE = 1e-4
-# The random gradient every step applies: N(0, GRAD_STD).
-GRAD_STD = 1e-3
-WEIGHT_DECAY = 0.1
-
-
-def make_optimizer(
-    name: str, kernel_config: optim.KernelConfig | None = None
-) -> optax.GradientTransformation:
-    """The optimizer called ``name`` (see OPTIMIZERS); SONew's kernels tuned by
-    ``kernel_config`` (default: ``optim.KernelConfig()``)."""
-    if name == "adamw":
-        return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY)
-    kwargs = SONEW_VARIANTS[name] | {"kernel_config": kernel_config or optim.KernelConfig()}
-    return optim.sonew(LEARNING_RATE, weight_decay=WEIGHT_DECAY, **kwargs)
-
-
-def make_update(
-    tx: optax.GradientTransformation, jit: Callable = jax.jit, **jit_kwargs
-) -> Callable:
-    """Jitted ``(params, state, grads) -> (params, state)`` (``optim.apply_gradients``), params and
-    state donated.
-
-    ``jit`` is ``jax.jit`` or ``common.jit_for``'s; ``jit_kwargs`` (e.g.
-    ``in_shardings``, ``out_shardings``) go to it.
-    """
-
-    def update(params, state, grads):
-        return optim.apply_gradients(tx, grads, state, params)
-
-    return jit(update, donate_argnums=(0, 1), **jit_kwargs)
-
-
-def init_state(tx: optax.GradientTransformation, params):
-    """``tx.init(params)`` committed to the first device (else the first update compiles twice:
-    once for the uncommitted state and once for its committed output)."""
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.jit(tx.init, out_shardings=device)(params)
 
 
 def nbytes(tree) -> int:
@@ -152,14 +75,6 @@ def nbytes(tree) -> int:
 def floor_bytes(params_shape, state_shape) -> int:
     """Fewest bytes one update moves: read g, p, state; write p, state."""
     return 3 * nbytes(params_shape) + 2 * nbytes(state_shape)
-
-
-def fresh_update(tx, shapes, jit: Callable = jax.jit) -> tuple[Callable, tuple]:
-    """``tx``'s donated update (:func:`make_update`, jitted by ``jit``) and its first
-    ``(params, state)``: random parameters of ``shapes`` and the initial state, on the first
-    device."""
-    params = lm_shapes.random_tree(shapes, jax.random.key(1))
-    return make_update(tx, jit), (params, init_state(tx, params))
 
 
 class Timing(NamedTuple):
@@ -181,7 +96,7 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     """Times ``tx``'s donated update on fresh random parameters; then, with ``profile_steps``,
     traces that many more steps for the device's kernel time and span."""
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
-    update, carry = fresh_update(tx, shapes, common.jit_for(args))
+    update, carry = updates.fresh_update(tx, shapes, common.jit_for(args))
 
     def step(c):
         return update(*c, grads)
@@ -191,9 +106,7 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     dispatch, carry = common.time_dispatch(step, carry, args.iters)
     busy = span = None
     if profile_steps:
-        import profile_update  # local import: profile_update imports this module
-
-        summary = profile_update.trace_steps(step, carry, profile_steps)[0]
+        summary = device_trace.trace_steps(step, carry, profile_steps)[0]
         busy, span = summary["busy_ms"], summary["span_ms"]
     return Timing(median, min(times), moved, pipelined, dispatch, busy, span)
 
@@ -248,20 +161,16 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.argument_parser(__doc__)
     lm_shapes.add_args(p)
-    common.add_optimizers_arg(p, OPTIMIZERS, ",".join(OPTIMIZERS))
+    common.add_optimizers_arg(p, updates.OPTIMIZERS, ",".join(updates.OPTIMIZERS))
     common.add_timing_args(p, warmup=5, iters=50)
     common.add_kernel_arg(p)
     common.add_concurrent_arg(p)
-    p.add_argument(
-        "--profile_steps",
-        type=common.int_at_least(0),
-        default=0,
-        help="after timing, trace this many steps per optimizer and report the device's kernel "
-        "time per step (busy_ms) and its ratio to AdamW's",
+    common.add_profile_steps_arg(
+        p, "report the device's kernel time per step (busy_ms) and its ratio to AdamW's"
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON output path")
+    common.add_out_arg(p, "update_speed")
     return p.parse_args(argv)
 
 
@@ -279,11 +188,11 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     shapes = lm_shapes.from_args(args)
     n = lm_shapes.count(shapes)
-    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=GRAD_STD)
-    copy_bytes = floor_bytes(shapes, jax.eval_shape(make_optimizer("adamw").init, shapes))
+    grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=updates.GRAD_STD)
+    copy_bytes = floor_bytes(shapes, jax.eval_shape(updates.make_optimizer("adamw").init, shapes))
     rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes), n)]
     for name in args.optimizers:
-        tx = make_optimizer(name, common.kernel_config(args))
+        tx = updates.make_optimizer(name, common.kernel_config(args))
         timing = time_optimizer(tx, shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))
         print(f"{name}: {timing.ms:.3f} ms", flush=True)

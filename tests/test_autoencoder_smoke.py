@@ -2,15 +2,12 @@
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
-autoencoder = pytest.importorskip("autoencoder")
+from benchmarks import autoencoder
 
 
 def has_sonew() -> bool:

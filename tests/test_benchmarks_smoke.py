@@ -4,28 +4,32 @@ No timing is asserted. The 8 simulated CPU devices come from conftest.py.
 """
 
 import argparse
+import ast
 import json
 import math
 import os
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import common
-import compile_cache
-import kernel_speed
-import lm_shapes
-import lowering
-import profile_update
-import sharded_update
-import train_step
-import update_speed
+from benchmarks import (
+    common,
+    compile_cache,
+    device_trace,
+    kernel_speed,
+    lm_shapes,
+    lowering,
+    profile_update,
+    sharded_update,
+    train_step,
+    update_speed,
+    updates,
+)
 
 TINY = ["--scale", "0.0078125", "--layers", "1"]
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def _finite(x) -> bool:
@@ -37,6 +41,83 @@ def _read(path: Path, returned: dict) -> dict:
     assert written == json.loads(json.dumps(returned))
     assert {"device", "date", "params", "rows"} <= written.keys()
     return written
+
+
+def imported_names(tree: ast.AST, package: str) -> set[str]:
+    """The top-level names a module's syntax ``tree`` imports, in functions too, with those of
+    ``package`` named by their module: ``import package.m``, ``from package import m``,
+    ``from package.m import x``, ``from . import m`` and ``from .m import x`` all give ``m``;
+    ``import m`` (a sibling found on ``sys.path``) gives ``m`` too."""
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            parts = [alias.name.split(".") for alias in node.names]
+            found |= {p[1] if p[0] == package and len(p) > 1 else p[0] for p in parts}
+        elif isinstance(node, ast.ImportFrom):
+            module = [m for m in (node.module or "").split(".") if m]
+            if node.level == 0 and module[0] != package:
+                found.add(module[0])
+                continue
+            inside = module[1:] if node.level == 0 else module
+            found |= {inside[0]} if inside else {alias.name for alias in node.names}
+    return found
+
+
+def import_graph(directory: Path) -> dict[str, set[str]]:
+    """Each module of the package at ``directory``: the package's modules it imports (however
+    spelled, see :func:`imported_names`)."""
+    modules = {path.stem: path for path in directory.glob("*.py")}
+    return {
+        name: imported_names(ast.parse(path.read_text()), directory.name) & set(modules)
+        for name, path in modules.items()
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A circle of imports in ``graph`` (``[a, b, ..., a]``), or None where it is a DAG."""
+    done: set[str] = set()
+
+    def visit(node: str, path: list[str]) -> list[str] | None:
+        if node in path:
+            return [*path[path.index(node) :], node]
+        if node in done:
+            return None
+        for child in sorted(graph.get(node, ())):
+            cycle = visit(child, [*path, node])
+            if cycle:
+                return cycle
+        done.add(node)
+        return None
+
+    for node in sorted(graph):
+        cycle = visit(node, [])
+        if cycle:
+            return cycle
+    return None
+
+
+def test_benchmarks_import_no_circle_and_no_sys_path():
+    """The benchmarks' imports form a DAG, and none puts a folder on ``sys.path``."""
+    graph = import_graph(BENCHMARKS)
+    assert {"common", "updates", "device_trace"} <= graph["update_speed"]  # the parser sees them
+    assert find_cycle(graph) is None
+    for path in BENCHMARKS.glob("*.py"):
+        assert "sys.path.insert" not in path.read_text(), path.name
+
+
+def test_import_circle_is_found(tmp_path):
+    """A circle through a function's lazy, a relative and an absolute import is found."""
+    package = tmp_path / "benchmarks"
+    package.mkdir()
+    (package / "a.py").write_text("from benchmarks import b\n")
+    (package / "b.py").write_text("def f():\n    from .c import g\n")
+    (package / "c.py").write_text("import benchmarks.a\nimport json\n")
+    (package / "d.py").write_text("from . import a\nimport c\nfrom sonew_pax import optim\n")
+    graph = import_graph(package)
+    assert graph == {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "c"}}
+    assert find_cycle(graph) == ["a", "b", "c", "a"]
+    (package / "c.py").write_text("import json\n")
+    assert find_cycle(import_graph(package)) is None
 
 
 def test_lm_shapes_full_size_and_specs():
@@ -56,13 +137,13 @@ def test_update_speed_schema(tmp_path, monkeypatch):
     argv = [*TINY, "--optimizers", "adamw,sonew_tridiag", "--warmup", "1", "--iters", "2"]
     argv += ["--profile_steps", "1", "--kernel", "banded_min_rows=16"]
     built = []
-    make = update_speed.make_optimizer
+    make = updates.make_optimizer
 
     def spy(name, config=None):
-        built.append((name, config.banded_min_rows))
+        built.append((name, config and config.banded_min_rows))  # None: the copy's AdamW bytes
         return make(name, config)
 
-    monkeypatch.setattr(update_speed, "make_optimizer", spy)
+    monkeypatch.setattr(updates, "make_optimizer", spy)
     written = _read(out, update_speed.main([*argv, "--out", str(out)]))
     # conftest.py sets XLA_FLAGS (8 CPU devices): the result says what the timings ran under.
     assert written["config"]["xla_flags"] == os.environ["XLA_FLAGS"]
@@ -106,11 +187,11 @@ def test_kernel_speed_schema(tmp_path):
     assert hlo["sonew_tridiag"]["custom_calls"] == 0  # the XLA path launches no Pallas kernel
 
 
-def test_kernel_speed_tiles_flag():
-    assert kernel_speed.parse_tiles("16x64x4,8x128x8") == [(16, 64, 4), (8, 128, 8)]
+def test_tiles_flag():
+    assert common.parse_tiles("16x64x4,8x128x8") == [(16, 64, 4), (8, 128, 8)]
     for bad in ("16x64", "16x48x4", "ax64x4", "0x64x4"):
         with pytest.raises(argparse.ArgumentTypeError, match="tile"):
-            kernel_speed.parse_tiles(bad)
+            common.parse_tiles(bad)
 
 
 def test_train_step_schema(tmp_path):
@@ -174,7 +255,9 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "--concurrent",
         ]
     )
-    child = train_step.parse_args(train_step.child_argv("adamw", args, tmp_path / "r.json")[2:])
+    argv = train_step.child_argv("adamw", args, tmp_path / "r.json")
+    assert argv[:3] == common.module_command("train_step")
+    child = train_step.parse_args(argv[3:])
     assert child.worker == "adamw" and child.row_out == tmp_path / "r.json"
     assert child.kernel == args.kernel == [("banded_tile", (16, 64, 2)), ("banded_min_rows", 8)]
     for name in (
@@ -219,7 +302,7 @@ def test_sharded_update_schema_and_equality(tmp_path):
         assert row["collectives"]["all-gather"] == 0 and row["collectives"]["all-to-all"] == 0
 
 
-def test_profile_update_reads_device_kernels():
+def test_device_trace_reads_device_kernels():
     """The trace parser keeps only device lanes' complete events and groups XLA's suffixes; the
     span counts overlapping kernels' time once."""
     trace = {
@@ -234,17 +317,17 @@ def test_profile_update_reads_device_kernels():
         ]
     }
     # [10, 60] and [100, 130] lie within or overlap [20, 140]: the union is [10, 140].
-    assert profile_update.device_span(trace) == 130.0
+    assert device_trace.device_span(trace) == 130.0
     # A kernel after a gap adds its own time only (not the gap).
     later = {"ph": "X", "pid": 7, "name": "sonew_halo", "ts": 200.0, "dur": 10.0}
-    assert profile_update.device_span({"traceEvents": [*trace["traceEvents"], later]}) == 140.0
-    kernels = profile_update.device_kernels(trace)
+    assert device_trace.device_span({"traceEvents": [*trace["traceEvents"], later]}) == 140.0
+    kernels = device_trace.device_kernels(trace)
     assert sorted(kernels) == [
         ("loop_add_fusion.12", 50.0),
         ("loop_add_fusion.3", 30.0),
         ("sonew_band1_scan", 120.0),
     ]
-    summary = profile_update.summarize(kernels, steps=2)
+    summary = device_trace.summarize(kernels, steps=2)
     assert summary["kernels"] == 1.5 and abs(summary["busy_ms"] - 0.1) < 1e-12
     assert [f["name"] for f in summary["families"]] == ["sonew_band1_scan", "loop_add_fusion"]
     assert abs(summary["families"][1]["ms"] - 0.04) < 1e-12

@@ -4,13 +4,10 @@ markdown and the plot. Plus its pure helpers."""
 
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import lm_convergence
+from benchmarks import lm_convergence
 
 ARGV = [
     "--model", "tiny", "--layers", "1", "--batch_size", "2", "--seq_len", "16",

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import scaling
-import train_step
+from benchmarks import scaling, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,7 +67,7 @@ def test_loss_agreement():
 def test_train_args_reach_the_worker(tmp_path):
     args = scaling.parse_args(["--model", "tiny", "--train_layers", "1", "--batch_size", "4"])
     targs = scaling.train_args(args, (2, 4))
-    child = train_step.parse_args(train_step.child_argv("adamw", targs, tmp_path / "r.json")[2:])
+    child = train_step.parse_args(train_step.child_argv("adamw", targs, tmp_path / "r.json")[3:])
     assert (child.mesh_data, child.mesh_model) == (2, 4)
     assert (child.model, child.layers, child.batch_size) == ("tiny", 1, 4)
     assert (child.warmup, child.iters, child.dtype) == (args.warmup, args.iters, "bfloat16")
@@ -78,10 +76,8 @@ def test_train_args_reach_the_worker(tmp_path):
 def test_scaling_runs_on_8_cpu_devices(tmp_path):
     out = tmp_path / "scaling.json"
     env = {**os.environ, "XLA_FLAGS": FAST_CPU, "JAX_PLATFORMS": "cpu"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "scaling.py"), *TINY, "--no_isolate"]
-    proc = subprocess.run(
-        [*cmd, "--out", str(out)], env=env, capture_output=True, text=True, timeout=300
-    )
+    cmd = [sys.executable, "-m", "benchmarks.scaling", *TINY, "--no_isolate", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["devices"] == 8 and {"device", "date", "config"} <= result.keys()
