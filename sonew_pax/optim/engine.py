@@ -272,7 +272,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
         band = _band(ei)
-        if not _has_chain(lay, hyper):
+        if band == 0 or not _has_chain(lay, hyper):
             continue
         kernel = _on_kernel(kernels, lay, band, hyper)
         if band == 1 and not kernel:
