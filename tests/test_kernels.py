@@ -665,7 +665,7 @@ def test_default_tile_shortens_the_walk_on_small_tensors():
     arrays = [jnp.zeros((70, 130)), jnp.zeros((40, 1024, 2))]
 
     def halo_rows(lanes):
-        config_here = dataclasses.replace(config, scan_lanes=lanes)
+        config_here = dataclasses.replace(one_walk, scan_lanes=lanes)
         return [h.rows for h in kernels.gather_halos(arrays, interpret=True, config=config_here)]
 
     assert halo_rows(2**14) == [8, 8]  # the second has 5 x 2048 lanes at 8 rows
