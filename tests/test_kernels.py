@@ -246,9 +246,9 @@ def _on_banded_kernel(shapes, band):
     return {s for s in shapes.values() if kernels.supported(ChainLayout.unsharded(s), band, SMALL)}
 
 
-# Without grafting the kernels skip the norms whatever the band: band 2 covers it (band 4's case
-# took 34 s of CI).
-@pytest.mark.parametrize("band, graft", [(2, "adam"), (2, "none"), (3, "adam"), (4, "adam")])
+# Without grafting the kernels skip the norms whatever the band: band 2 covers it; bands 2 and 4
+# cover the walk's band-dependent windows (band 3 took 22 s of CI).
+@pytest.mark.parametrize("band, graft", [(2, "adam"), (2, "none"), (4, "adam")])
 def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     """Bands 2 to 4 through hostile steps: ``equal`` gradients make every window singular, so
     Algorithm 3 cuts every edge, and the steps after it solve windows near the tolerance."""
@@ -258,7 +258,7 @@ def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
     _assert_close(expect, got, 1e-9)
     expected = _on_banded_kernel(BANDED_SHAPES, band)
-    assert set(banded_spy) == expected and len(expected) == {2: 7, 3: 7, 4: 6}[band]
+    assert set(banded_spy) == expected and len(expected) == {2: 7, 4: 6}[band]
 
 
 def test_band_halos_are_each_chunks_first_and_last_rows():
@@ -477,7 +477,7 @@ def kernel_spy(monkeypatch):
     return traced
 
 
-@pytest.mark.parametrize("band", [0, 1, 2, 4])
+@pytest.mark.parametrize("band", [0, 1, 4])
 def test_sharded_tensors_run_the_kernels_on_their_blocks(x64, band, use_kernel, kernel_spy):
     """Under a mesh every tensor whose block has the rows its step reads beyond it runs the
     kernel on that block, with its edges from the neighbouring shards: rows, columns, both, a

@@ -72,8 +72,14 @@ def assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol):
     return state
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2), (1, 8), (8, 1)])
-@pytest.mark.parametrize("band", [0, 1, 2, 4])
+# Every band on every mesh, except band 4 on two of them: its exchange is band 2's with wider
+# halos (band 4 on the other two meshes took 28 s of CI).
+MESH_BANDS = [(m, b) for m in [(2, 4), (4, 2), (1, 8), (8, 1)] for b in (0, 1, 2, 4)]
+
+
+@pytest.mark.parametrize(
+    "mesh_shape, band", [(m, b) for m, b in MESH_BANDS if b < 4 or m in ((2, 4), (8, 1))]
+)
 def test_sharded_equals_unsharded(x64, mesh_shape, band):
     params, specs = case(mesh_shape)
     mesh = make_mesh(mesh_shape)
