@@ -178,7 +178,8 @@ class Trainer:
         layout's abstract state and `abstract_batch`, both carrying their shardings, so the
         exported module has the step's in and out shardings; nothing is allocated or compiled.
         The platforms need not be this host's: a CPU host proves the step lowers for a TPU
-        slice of the mesh's size.
+        slice of the mesh's size. SONew picks its kernels by this process's backend, so on a GPU
+        host build it with ``implementation="xla"`` to export for another platform.
         """
         with partitioning.axis_rules_context(self.mesh, self.rules):
             return jax.export.export(self.train_step, platforms=platforms)(
