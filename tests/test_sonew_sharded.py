@@ -1,5 +1,7 @@
 """Sharded SONew (shard_map + halo exchange) equals the unsharded optimizer, on 8 CPU devices."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,22 +141,56 @@ def test_sharded_equals_unsharded_where_the_chain_is_cut(x64, band):
     assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
 
 
+def _compiled_update(params, specs, mesh, **kwargs) -> str:
+    """The compiled HLO of ``sonew(**kwargs)``'s sharded update of abstract ``params``."""
+    tx = sonew(0.1, mesh=mesh, param_specs=specs, **kwargs)
+    state = jax.eval_shape(tx.init, params)
+    shardings = lambda sp: jax.tree.map(lambda s: NamedSharding(mesh, s), sp)  # noqa: E731
+    state_shardings = shardings(state_partition_specs(state, specs))
+    step = jax.jit(
+        lambda p, s, g: tx.update(g, s, p),
+        in_shardings=(shardings(specs), state_shardings, shardings(specs)),
+        out_shardings=(shardings(specs), state_shardings),
+    )
+    return step.lower(params, state, params).compile().as_text()
+
+
 def test_compiled_update_has_no_gathers():
     """Only collective-permutes (halos) and all-reduces (grafting norms): nothing is gathered."""
     params, specs = case((2, 4))
-    mesh = make_mesh((2, 4))
-    tx = sonew(0.1, band=2, mesh=mesh, param_specs=specs)
-    state = jax.eval_shape(tx.init, params)
-    shardings = lambda tree, sp: jax.tree.map(lambda s: NamedSharding(mesh, s), sp)  # noqa: E731
-    state_shardings = shardings(state, state_partition_specs(state, specs))
-    step = jax.jit(
-        lambda p, s, g: tx.update(g, s, p),
-        in_shardings=(shardings(params, specs), state_shardings, shardings(params, specs)),
-        out_shardings=(shardings(params, specs), state_shardings),
-    )
-    hlo = step.lower(params, state, params).compile().as_text()
+    hlo = _compiled_update(params, specs, make_mesh((2, 4)), band=2)
     assert "collective-permute" in hlo and "all-reduce" in hlo
     assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+def _collectives(hlo: str) -> dict[str, int]:
+    """How many collective-permutes and all-reduces a compiled module holds."""
+    ops = ("collective-permute", "all-reduce")
+    return {op: len(re.findall(rf"\s{op}(-start)?\(", hlo)) for op in ops}
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_one_exchange_per_step_whatever_the_number_of_tensors(implementation):
+    """Band 1's update of 4 layouts sends as many messages with 1 tensor of each as with 3 of
+    each: the edges of all tensors going the same way travel in one collective-permute; with the
+    kernels, the grafting norms of all tensors sharded over the same axes in one all-reduce pair
+    (the XLA path reduces each tensor's norms in its own step, which XLA may combine)."""
+    params, specs = case((2, 4))
+    layouts = ("rows", "cols", "both", "vec")
+    mesh = make_mesh((2, 4))
+
+    def counts(copies):
+        tree = {f"{k}{i}": params[k] for k in layouts for i in range(copies)}
+        tree_specs = {f"{k}{i}": specs[k] for k in layouts for i in range(copies)}
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        hlo = _compiled_update(abstract, tree_specs, mesh, band=1, implementation=implementation)
+        return _collectives(hlo)
+
+    one, three = counts(1), counts(3)
+    assert one["collective-permute"] == three["collective-permute"], (one, three)
+    assert 0 < one["collective-permute"] <= 8
+    if implementation == "pallas":
+        assert one["all-reduce"] == three["all-reduce"] > 0, (one, three)
 
 
 def test_state_partition_specs_for_chains_and_abstract_states():
