@@ -10,7 +10,8 @@ Two parts, each reusing another benchmark's functions:
   difference of every parameter and state array from the reference after ``--check_steps`` steps.
 - ``train`` (`train_step`): the trainer's full jitted step of ``configs/models/<--model>.gin`` (bf16
   compute) on ``data`` x ``model`` meshes (default, for N devices: N x 1, N/2 x 2, N/4 x 4) for
-  each of ``--optimizers`` (default AdamW and tridiagonal SONew), on the same random batch
+  each of ``--optimizers`` (default AdamW and tridiagonal SONew as ``sonew`` defaults it, the
+  kernels on GPU: ``sonew_tridiag_auto``), on the same random batch
   (``--batch_size`` x ``--seq_len``; the batch must divide over every mesh's data axis). Rows:
   steps/s, tokens/s, peak memory per GPU (the largest over the mesh), first-step loss and the loss
   after ``1 + --warmup + --iters`` steps; ``loss_agreement`` holds, per optimizer, the largest
@@ -84,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     t = p.add_argument_group("train part (train_step)")
     common.add_model_args(t, model="350m", dtype="bfloat16", batch_size=16, seq_len=1024)
     t.add_argument("--train_layers", type=int, help="override the model's number of layers")
-    common.add_optimizers_arg(t, train_step.OPTIMIZERS, "adamw,sonew_tridiag")
+    common.add_optimizers_arg(t, train_step.OPTIMIZERS, "adamw,sonew_tridiag_auto")
     t.add_argument("--meshes", default="", help="DATAxMODEL list, e.g. 4x1,2x2,1x4")
     common.add_timing_args(t, warmup=2, iters=10)
     t.add_argument("--loss_rtol", type=float, default=1e-2, help="loss gap counted as agreeing")

@@ -3,7 +3,9 @@
 Rows by name (``OPTIMIZERS``): ``adamw`` and the SONew variants of ``SONEW_VARIANTS``:
 ``sonew_diag``, ``sonew_tridiag``, ``sonew_band4`` with ``implementation="xla"``; the same name
 with ``_pallas`` with the Pallas kernels of ``sonew_pax/optim/kernels``; ``_lag`` with
-``graft_lag=True``; ``_bf16`` with momentum and off-diagonals stored in bfloat16.
+``graft_lag=True``; ``_bf16`` with momentum and off-diagonals stored in bfloat16; and
+``sonew_tridiag_auto``, ``sonew(lr, band=1)`` as a user (and the trainer's gin file) gets it:
+the kernels on GPU wherever they apply, XLA elsewhere.
 """
 
 from collections.abc import Callable
@@ -33,6 +35,7 @@ SONEW_VARIANTS = _XLA_VARIANTS | {
     f"{name}_pallas": {**kwargs, "implementation": "pallas"}
     for name, kwargs in _XLA_VARIANTS.items()
 }
+SONEW_VARIANTS["sonew_tridiag_auto"] = {"band": 1}
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 LEARNING_RATE = 1e-4
 # The random gradient every step applies: N(0, GRAD_STD).

@@ -91,13 +91,13 @@ def test_scaling_runs_on_8_cpu_devices(tmp_path):
     train = result["train_rows"]
     assert [(r["optimizer"], r["mesh"]) for r in train] == [
         ("adamw", "8x1"),
-        ("sonew_tridiag", "8x1"),
+        ("sonew_tridiag_auto", "8x1"),
         ("adamw", "2x4"),
-        ("sonew_tridiag", "2x4"),
+        ("sonew_tridiag_auto", "2x4"),
     ]
     for row in train:
         assert all(_finite(row[k]) for k in ("steps_per_s", "tokens_per_s", "loss", "first_loss"))
         assert "peak_memory_gib" in row  # None on CPU
-    for name in ("adamw", "sonew_tridiag"):
+    for name in ("adamw", "sonew_tridiag_auto"):
         assert result["loss_agreement"][name]["max_rel_diff_loss"] < 1e-4
     assert "## Train step" in out.with_suffix(".md").read_text()
