@@ -247,7 +247,7 @@ def _on_banded_kernel(shapes, band):
 
 
 # Without grafting the kernels skip the norms whatever the band: band 2 covers it; bands 2 and 4
-# cover the walk's band-dependent windows (band 3 took 22 s of CI).
+# cover the walk's band-dependent windows (band 3 adds CI time and no path).
 @pytest.mark.parametrize("band, graft", [(2, "adam"), (2, "none"), (4, "adam")])
 def test_banded_kernel_equals_xla(x64, band, graft, use_kernel, banded_spy):
     """Bands 2 to 4 through hostile steps: ``equal`` gradients make every window singular, so

@@ -75,7 +75,7 @@ def assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol):
 
 
 # Every band on every mesh, except band 4 on two of them: its exchange is band 2's with wider
-# halos (band 4 on the other two meshes took 28 s of CI).
+# halos, and it is the slowest band to run.
 MESH_BANDS = [(m, b) for m in [(2, 4), (4, 2), (1, 8), (8, 1)] for b in (0, 1, 2, 4)]
 
 
@@ -169,8 +169,8 @@ def _collectives(hlo: str) -> dict[str, int]:
     return {op: len(re.findall(rf"\s{op}(-start)?\(", hlo)) for op in ops}
 
 
-# 16 against 64 tensors on XLA; 4 against 12 with the kernels (in Pallas' interpreter on a CPU,
-# 64 tensors take 27 s to trace).
+# 16 against 64 tensors on XLA; 4 against 12 with the kernels (Pallas' interpreter on a CPU is
+# slow to trace 64).
 @pytest.mark.parametrize("implementation, few, many", [("xla", 4, 16), ("pallas", 1, 3)])
 def test_one_exchange_per_step_whatever_the_number_of_tensors(implementation, few, many):
     """Band 1's update of ``4 few`` tensors (``few`` of each of 4 layouts) sends as many messages
