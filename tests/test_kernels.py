@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from sonew_pax.optim import apply_gradients, kernels, pointwise, sharding, sonew
-from sonew_pax.optim.chain import ChainLayout, edges, halo_width
+from sonew_pax.optim.chain import ChainLayout, edges_of, halo_width
 from sonew_pax.optim.chain import run as run_exchange
 from sonew_pax.optim.kernels import KernelConfig, banded, launch
 from tests.test_sonew_sharded import make_mesh, run
@@ -62,9 +62,15 @@ def _assert_close(expect, got, rtol):
         assert np.linalg.norm(b - a) <= rtol * np.linalg.norm(a) + 1e-300, (a.shape, rtol)
 
 
+def _edges(x: jax.Array, layout: ChainLayout, before: int, after: int):
+    """``chain.edges_of`` of the block ``x``'s last ``before`` and first ``after`` rows, run."""
+    last = x[x.shape[0] - before :]
+    return tuple(run_exchange(edges_of(last, x[:after], layout)))
+
+
 def _dense_edges(x: np.ndarray, rows: int, before: int, after: int):
     """The chain neighbours of a block's first and last rows, from the whole tensor ``x`` in
-    Fortran order (an independent reference for ``chain.edges``): ``(pre, post)`` per block of
+    Fortran order (an independent reference for ``chain.edges_of``): ``(pre, post)`` per block of
     ``rows`` rows along axis 0 (all columns)."""
     flat = x.reshape(-1, order="F")
     index = np.arange(x.size).reshape(x.shape, order="F")  # chain position of each element
@@ -89,7 +95,7 @@ def test_edges_of_a_whole_tensor_are_its_wrapped_chain_neighbours(shape, band):
     if shape[0] < max(before, after):
         pytest.skip("the kernels take blocks with at least as many rows as the halo")
     x = np.arange(1, np.prod(shape) + 1, dtype=np.float64).reshape(shape)
-    pre, post = run_exchange(edges(jnp.asarray(x), ChainLayout.unsharded(shape), before, after))
+    pre, post = _edges(jnp.asarray(x), ChainLayout.unsharded(shape), before, after)
     ((expect_pre, expect_post),) = _dense_edges(x, shape[0], before, after)
     np.testing.assert_array_equal(np.asarray(pre), expect_pre)
     np.testing.assert_array_equal(np.asarray(post), expect_post)
@@ -106,7 +112,7 @@ def test_edges_of_a_whole_tensor_are_its_wrapped_chain_neighbours(shape, band):
     ],
 )
 def test_edges_of_shards_are_the_chain_neighbours_of_their_blocks(shape, spec):
-    """``chain.edges`` inside ``shard_map``: each shard's edges are the dense chain neighbours of
+    """``chain.edges_of`` inside ``shard_map``: each shard's edges are the dense chain neighbours of
     its block's first and last rows, with band 2's widths (2 rows before, 3 after)."""
     mesh = make_mesh((2, 4))
     layout = sharding.chain_layout(shape, spec, mesh)
@@ -115,7 +121,7 @@ def test_edges_of_shards_are_the_chain_neighbours_of_their_blocks(shape, spec):
     x = np.arange(1, np.prod(shape) + 1, dtype=np.float64).reshape(shape)
 
     def local_edges(block):
-        return tuple(run_exchange(edges(block, layout, before, after)))
+        return _edges(block, layout, before, after)
 
     sharded = jax.shard_map(local_edges, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
     placed = jax.device_put(jnp.asarray(x), jax.sharding.NamedSharding(mesh, spec))

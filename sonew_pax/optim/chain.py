@@ -70,28 +70,15 @@ def shift_many(xs: list[jax.Array], k: int, layout: ChainLayout) -> list[jax.Arr
     return run(parallel([_shift(x, k, layout, 0) for x in xs]))
 
 
-def edges(x: jax.Array, layout: ChainLayout, before: int, after: int) -> Program:
+def edges_of(last: jax.Array, first: jax.Array, layout: ChainLayout) -> Program:
     """An exchange program returning the chain neighbours of the local block's first and last
-    rows along axis 0: ``(pre, post)`` of shapes ``(*batch, before, *rest)`` and ``(*batch,
+    rows along axis 0, from the block's ``last`` rows (``before`` of them) and ``first`` rows
+    (``after``), both with leading batch axes, so the slabs of many tensors of one layout go
+    through one program: ``(pre, post)`` of shapes ``(*batch, before, *rest)`` and ``(*batch,
     after, *rest)``, with ``pre[..., r, j...]`` the element ``before - r`` steps before row 0 of
     column ``j...`` on the chain and ``post[..., r, j...]`` the one ``r + 1`` steps after its
-    last row; zero off the chain's ends, as :func:`shift` is.
-
-    These are all a step on the block reads from outside it (``before`` and ``after``: the halo
-    widths of :func:`halo_width`). Needs ``before`` and ``after`` at most the block's rows.
-    """
-    axis = x.ndim - len(layout.shape)
-    rows = x.shape[axis]
-    if max(before, after) > rows:
-        raise ValueError(f"edges of {before} and {after} rows from a block of {rows} rows")
-    last = lax.slice_in_dim(x, rows - before, rows, axis=axis)
-    return (yield from edges_of(last, lax.slice_in_dim(x, 0, after, axis=axis), layout))
-
-
-def edges_of(last: jax.Array, first: jax.Array, layout: ChainLayout) -> Program:
-    """:func:`edges` from the block's last and first rows along axis 0 (``last``: as many as
-    ``pre`` has, ``first``: as many as ``post``; both with leading batch axes, so the slabs of
-    many tensors of one layout go through one program).
+    last row; zero off the chain's ends, as :func:`shift` is. ``before`` and ``after`` are the
+    halo widths of :func:`halo_width` (at most the block's rows: one hop).
 
     Along a sharded axis 0 the edges are the neighbouring shards' nearest rows; where the chain
     wraps from the last row of a column to the first of the next (Fortran order of the other
