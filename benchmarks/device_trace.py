@@ -15,21 +15,29 @@ from pathlib import Path
 import jax
 
 
-def device_events(trace: dict) -> list[dict]:
-    """Every complete event on a device lane of a Perfetto trace.
+def device_lanes(trace: dict) -> dict[str, list[dict]]:
+    """The complete events of each device lane of a Perfetto trace, by lane name.
 
     Device lanes are the processes named ``/device:...`` (``/device:GPU:0``); the host's are
     ``/host:...``. Events without a duration (instants, counters, metadata) are skipped.
     """
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    device_pids = {
-        e["pid"]
+    names = {
+        e["pid"]: str(e.get("args", {}).get("name", ""))
         for e in events
-        if e.get("ph") == "M"
-        and e.get("name") == "process_name"
-        and str(e.get("args", {}).get("name", "")).startswith("/device:")
+        if e.get("ph") == "M" and e.get("name") == "process_name"
     }
-    return [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+    lanes: dict[str, list[dict]] = {}
+    for e in events:
+        name = names.get(e.get("pid"), "")
+        if e.get("ph") == "X" and "dur" in e and name.startswith("/device:"):
+            lanes.setdefault(name, []).append(e)
+    return lanes
+
+
+def device_events(trace: dict) -> list[dict]:
+    """Every complete event on any device lane (:func:`device_lanes`) of a Perfetto trace."""
+    return [e for lane in device_lanes(trace).values() for e in lane]
 
 
 def device_kernels(trace: dict) -> list[tuple[str, float]]:
@@ -40,13 +48,27 @@ def device_kernels(trace: dict) -> list[tuple[str, float]]:
 def device_span(trace: dict) -> float:
     """Microseconds in which at least one :func:`device_events` event ran: the length of the
     union of their ``[ts, ts + dur]`` intervals."""
+    return _span(device_events(trace))
+
+
+def _span(events: list[dict]) -> float:
+    """The length of the union of the events' ``[ts, ts + dur]`` intervals."""
     total, end = 0.0, float("-inf")
-    for start, stop in sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device_events(trace)
-    ):
+    for start, stop in sorted((float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events):
         total += max(0.0, stop - max(start, end))
         end = max(end, stop)
     return total
+
+
+def per_device(trace: dict, steps: int) -> list[dict]:
+    """Per-step ``{"device", "busy_ms", "span_ms", "kernels", "families"}`` of each device lane,
+    busiest first: a sharded step is as slow as its busiest device."""
+    rows = []
+    for name, events in device_lanes(trace).items():
+        summary = summarize([(e["name"], float(e["dur"])) for e in events], steps)
+        rows.append({"device": name, "span_ms": _span(events) / 1e3 / steps, **summary})
+    rows.sort(key=lambda r: -r["busy_ms"])
+    return rows
 
 
 def family(name: str) -> str:
@@ -83,8 +105,9 @@ def read_trace(directory: Path) -> dict:
 def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple[dict, object]:
     """``iters`` blocking calls ``carry = step(carry)`` under the profiler (the trace kept in
     ``directory``; without one, in a temporary directory removed after reading): returns
-    ``({"wall_ms", "idle_ms", "busy_ms", "span_ms", "kernels", "families"}, carry)``, all per
-    step."""
+    ``({"wall_ms", "idle_ms", "busy_ms", "span_ms", "kernels", "families", "devices"}, carry)``,
+    all per step; the first four over all device lanes together, ``devices`` each lane's
+    (:func:`per_device`)."""
     if directory is None:
         with tempfile.TemporaryDirectory() as tmp:
             return trace_steps(step, carry, iters, Path(tmp))
@@ -96,4 +119,5 @@ def trace_steps(step, carry, iters: int, directory: Path | None = None) -> tuple
     trace = read_trace(directory)
     summary = summarize(device_kernels(trace), iters)
     summary["span_ms"] = device_span(trace) / 1e3 / iters
+    summary["devices"] = per_device(trace, iters)
     return {"wall_ms": wall_ms, "idle_ms": wall_ms - summary["span_ms"], **summary}, carry

@@ -13,14 +13,17 @@ state donated. Variants:
 For each band the one-device update (device 0, no mesh) and each sharded variant start from the
 same parameters and state; after ``--check_steps`` steps every parameter and state array is
 compared (``max_rel_diff`` = max over arrays of max|sharded - single| / max|single|). Then both are
-timed (``--warmup`` untimed steps, median of ``--iters``). Scaling efficiency = t1 / (N * tN): 1 is
-ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
+timed (``--warmup`` untimed steps, median of ``--iters`` wall times), then ``--profile_steps`` are
+traced: a step's device time is the busiest device's kernel time (a sharded step waits for its
+slowest shard), and ``device_speedup`` compares those. Scaling efficiency = t1 / (N * tN) on wall
+times: 1 is ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
 (``common.launch_counts``) are counted from its HLO text.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json``)
 ``{"device", "date", "params", "devices", "config", "rows": [{"band", "variant", "mesh", "specs",
 "ms_1dev", "ms_sharded", "speedup", "scaling_efficiency", "max_rel_diff", "equal",
-"collectives"}]}``.
+"collectives", "device_ms_1dev", "device_ms_sharded", "device_speedup", "devices_ms_sharded",
+"families_1dev", "families_sharded"}]}`` (the device columns with ``--profile_steps``).
 
 Usage: ``python -m benchmarks.sharded_update [--devices 2] [--bands 1] [--scale 1]``. On CPU,
 simulate devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
@@ -34,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from benchmarks import common, lm_shapes, updates
+from benchmarks import common, device_trace, lm_shapes, updates
 from sonew_pax import optim
 
 VARIANTS = ("model", "data_model")
@@ -45,6 +48,9 @@ COLUMNS = (
     "ms_1dev",
     "ms_sharded",
     "speedup",
+    "device_ms_1dev",
+    "device_ms_sharded",
+    "device_speedup",
     "scaling_efficiency",
     "max_rel_diff",
     "equal",
@@ -116,19 +122,35 @@ def run_steps(update, carry, grads, steps: int):
     return jax.block_until_ready(carry)
 
 
-def single_device(band: int, shapes, args) -> tuple[tuple, float]:
-    """The unsharded reference: (params, state) after ``check_steps``, and its median ms."""
+def device_time(step, carry, args) -> dict:
+    """The busiest device's kernel time per step over ``--profile_steps`` traced steps, and its
+    largest kernel families (``{}`` without ``--profile_steps``; ``device_ms`` 0 off GPU)."""
+    if not args.profile_steps:
+        return {}
+    summary, _ = device_trace.trace_steps(step, carry, args.profile_steps)
+    busiest = summary["devices"][0] if summary["devices"] else {"busy_ms": 0.0, "families": []}
+    return {
+        "device_ms": busiest["busy_ms"],
+        "devices_ms": [d["busy_ms"] for d in summary["devices"]],
+        "families": busiest["families"][:8],
+    }
+
+
+def single_device(band: int, shapes, args) -> tuple[tuple, float, dict]:
+    """The unsharded reference: (params, state) after ``check_steps``, its median ms and
+    `device_time`."""
     grads = lm_shapes.random_tree(shapes, jax.random.key(0), std=1e-3)
     update, carry = updates.fresh_update(make_sonew(band), shapes)
     reference = run_steps(update, carry, grads, args.check_steps)
-    median, _, _ = common.time_steps(
+    median, _, carry = common.time_steps(
         lambda c: update(*c, grads), copy_tree(reference), args.warmup, args.iters
     )
-    return reference, median
+    return reference, median, device_time(lambda c: update(*c, grads), carry, args)
 
 
-def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, dict]:
-    """The sharded update: (params, state) after ``check_steps``, median ms, collective counts."""
+def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, dict, dict]:
+    """The sharded update: (params, state) after ``check_steps``, median ms, collective counts
+    and `device_time`."""
     tx = make_sonew(band, mesh, specs)
     param_sh = named(mesh, specs)
     state_sh = named(mesh, optim.state_partition_specs(jax.eval_shape(tx.init, shapes), specs))
@@ -140,11 +162,12 @@ def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, d
     )
     compiled = update.lower(params, state, grads).compile()
     after = run_steps(compiled, (params, state), grads, args.check_steps)
-    median, _, _ = common.time_steps(
+    median, _, carry = common.time_steps(
         lambda c: compiled(*c, grads), copy_tree(after), args.warmup, args.iters
     )
+    profile = device_time(lambda c: compiled(*c, grads), carry, args)
     text = compiled.as_text()
-    return after, median, {**count_collectives(text), **common.launch_counts(text)}
+    return after, median, {**count_collectives(text), **common.launch_counts(text)}, profile
 
 
 def variant_mesh(variant: str, devices: list, data: int) -> tuple[Mesh, str]:
@@ -158,19 +181,26 @@ def variant_mesh(variant: str, devices: list, data: int) -> tuple[Mesh, str]:
 
 def bench_band(band: int, shapes, devices: list, args) -> list[dict]:
     """Rows (one per variant) for one band."""
-    reference, ms_1dev = single_device(band, shapes, args)
-    print(f"band {band}: 1 device {ms_1dev:.3f} ms", flush=True)
-    return bench_variants(band, shapes, devices, args, reference, ms_1dev)
+    reference, ms_1dev, profile_1dev = single_device(band, shapes, args)
+    print(f"band {band}: 1 device {ms_1dev:.3f} ms {_device_note(profile_1dev)}", flush=True)
+    return bench_variants(band, shapes, devices, args, reference, ms_1dev, profile_1dev)
 
 
-def bench_variants(band: int, shapes, devices: list, args, reference, ms_1dev: float) -> list[dict]:
+def _device_note(profile: dict) -> str:
+    """``(device ... ms)`` of a `device_time` result, or nothing without one."""
+    return f"(device {profile['device_ms']:.3f} ms)" if profile else ""
+
+
+def bench_variants(
+    band: int, shapes, devices: list, args, reference, ms_1dev: float, profile_1dev: dict
+) -> list[dict]:
     """Rows (one per variant in ``args.variants``) against a `single_device` result."""
     rows = []
     for variant in args.variants.split(","):
         mesh, mesh_name = variant_mesh(variant, devices, args.data)
         data_axis = "data" if variant == "data_model" else None
         specs = lm_shapes.megatron_specs(shapes, "model", data_axis)
-        after, ms, collectives = sharded(band, shapes, mesh, specs, args)
+        after, ms, collectives, profile = sharded(band, shapes, mesh, specs, args)
         diff = max_rel_diff(after, reference)
         del after
         rows.append(
@@ -186,10 +216,31 @@ def bench_variants(band: int, shapes, devices: list, args, reference, ms_1dev: f
                 "max_rel_diff": diff,
                 "equal": diff <= args.tol,
                 "collectives": collectives,
+                **_device_columns(profile_1dev, profile),
             }
         )
-        print(f"band {band} {variant} ({mesh_name}): {ms:.3f} ms, rel diff {diff:.2e}", flush=True)
+        print(
+            f"band {band} {variant} ({mesh_name}): {ms:.3f} ms {_device_note(profile)}, "
+            f"rel diff {diff:.2e}",
+            flush=True,
+        )
     return rows
+
+
+def _device_columns(profile_1dev: dict, profile: dict) -> dict:
+    """A row's device-time columns: the busiest device's kernel ms, one device's and sharded,
+    their ratio, each device's ms and the largest kernel families of both."""
+    if not profile:
+        return {}
+    ms_1dev, ms = profile_1dev["device_ms"], profile["device_ms"]
+    return {
+        "device_ms_1dev": ms_1dev,
+        "device_ms_sharded": ms,
+        "device_speedup": ms_1dev / ms if ms else float("nan"),
+        "devices_ms_sharded": profile["devices_ms"],
+        "families_1dev": profile_1dev["families"],
+        "families_sharded": profile["families"],
+    }
 
 
 def add_variant_args(parser: argparse.ArgumentParser) -> None:
@@ -211,6 +262,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=0, help="devices to shard over (0: all)")
     add_variant_args(p)
     common.add_timing_args(p, warmup=3, iters=30)
+    p.add_argument(
+        "--profile_steps",
+        type=int,
+        default=5,
+        help="steps traced for the device-time columns (0: wall time only)",
+    )
     common.add_out_arg(p, "sharded_update")
     return p.parse_args(argv)
 
@@ -229,6 +286,7 @@ def build_result(rows: list[dict], shapes, devices: list, args: argparse.Namespa
             "warmup": args.warmup,
             "iters": args.iters,
             "tol": args.tol,
+            "profile_steps": args.profile_steps,
             "jax": jax.__version__,
         },
         "rows": rows,

@@ -331,6 +331,15 @@ def test_device_trace_reads_device_kernels():
     assert summary["kernels"] == 1.5 and abs(summary["busy_ms"] - 0.1) < 1e-12
     assert [f["name"] for f in summary["families"]] == ["sonew_band1_scan", "loop_add_fusion"]
     assert abs(summary["families"][1]["ms"] - 0.04) < 1e-12
+    # A second device lane: each lane is summarized alone, the busiest first.
+    second = [
+        {"ph": "M", "pid": 8, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+        {"ph": "X", "pid": 8, "name": "sonew_band1_scan", "ts": 0.0, "dur": 400.0},
+    ]
+    lanes = device_trace.per_device({"traceEvents": [*trace["traceEvents"], *second]}, steps=2)
+    assert [lane["device"] for lane in lanes] == ["/device:GPU:1", "/device:GPU:0"]
+    assert abs(lanes[0]["busy_ms"] - 0.2) < 1e-12 and abs(lanes[1]["busy_ms"] - 0.1) < 1e-12
+    assert abs(lanes[1]["span_ms"] - 0.065) < 1e-12 and lanes[1]["kernels"] == 1.5
 
 
 def test_profile_update_schema(tmp_path):
