@@ -14,7 +14,7 @@ For each band the one-device update (device 0, no mesh) and each sharded variant
 same parameters and state; after ``--check_steps`` steps every parameter and state array is
 compared (``max_rel_diff`` = max over arrays of max|sharded - single| / max|single|). Then both are
 timed (``--warmup`` untimed steps, median of ``--iters`` wall times), then ``--profile_steps`` are
-traced: a step's device time is the busiest device's kernel time (a sharded step waits for its
+traced (kept in ``--trace_dir``): a step's device time is the busiest device's kernel time (a sharded step waits for its
 slowest shard), and ``device_speedup`` compares those. Scaling efficiency = t1 / (N * tN) on wall
 times: 1 is ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
 (``common.launch_counts``) are counted from its HLO text.
@@ -31,6 +31,7 @@ simulate devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
 
 import argparse
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -122,17 +123,19 @@ def run_steps(update, carry, grads, steps: int):
     return jax.block_until_ready(carry)
 
 
-def device_time(step, carry, args) -> dict:
+def device_time(step, carry, args, label: str) -> dict:
     """The busiest device's kernel time per step over ``--profile_steps`` traced steps, and its
-    largest kernel families (``{}`` without ``--profile_steps``; ``device_ms`` 0 off GPU)."""
+    largest kernel families (``{}`` without ``--profile_steps``; ``device_ms`` 0 off GPU). The
+    trace stays in ``--trace_dir``/``label`` when given."""
     if not args.profile_steps:
         return {}
-    summary, _ = device_trace.trace_steps(step, carry, args.profile_steps)
+    directory = args.trace_dir / label if args.trace_dir else None
+    summary, _ = device_trace.trace_steps(step, carry, args.profile_steps, directory)
     busiest = summary["devices"][0] if summary["devices"] else {"busy_ms": 0.0, "families": []}
     return {
         "device_ms": busiest["busy_ms"],
         "devices_ms": [d["busy_ms"] for d in summary["devices"]],
-        "families": busiest["families"][:8],
+        "families": busiest["families"][:10],
     }
 
 
@@ -145,7 +148,8 @@ def single_device(band: int, shapes, args) -> tuple[tuple, float, dict]:
     median, _, carry = common.time_steps(
         lambda c: update(*c, grads), copy_tree(reference), args.warmup, args.iters
     )
-    return reference, median, device_time(lambda c: update(*c, grads), carry, args)
+    profile = device_time(lambda c: update(*c, grads), carry, args, f"band{band}_1dev")
+    return reference, median, profile
 
 
 def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, dict, dict]:
@@ -165,7 +169,8 @@ def sharded(band: int, shapes, mesh: Mesh, specs, args) -> tuple[tuple, float, d
     median, _, carry = common.time_steps(
         lambda c: compiled(*c, grads), copy_tree(after), args.warmup, args.iters
     )
-    profile = device_time(lambda c: compiled(*c, grads), carry, args)
+    name = "x".join(f"{k}{v}" for k, v in mesh.shape.items())
+    profile = device_time(lambda c: compiled(*c, grads), carry, args, f"band{band}_{name}")
     text = compiled.as_text()
     return after, median, {**count_collectives(text), **common.launch_counts(text)}, profile
 
@@ -268,6 +273,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=5,
         help="steps traced for the device-time columns (0: wall time only)",
     )
+    p.add_argument("--trace_dir", type=Path, help="keep the traces here (default: not kept)")
     common.add_out_arg(p, "sharded_update")
     return p.parse_args(argv)
 
