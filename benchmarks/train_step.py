@@ -20,8 +20,9 @@ tests).
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "pipelined_ms",
-"pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s",
-"loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch);
+"pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s", "mfu",
+"loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch; ``mfu`` of the pipelined step as the
+trainer's progress line counts it, null on a device of unknown peak);
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
 ``span_ms`` (the time at least one kernel ran: less than ``busy_ms`` where kernels overlap),
 ``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
@@ -47,8 +48,8 @@ import numpy as np
 import optax
 
 from benchmarks import common, device_trace, updates
-from sonew_pax import optim, optimizers, partitioning
-from sonew_pax.models import Transformer, TransformerConfig, count_params
+from sonew_pax import metrics, optim, optimizers, partitioning
+from sonew_pax.models import Transformer, TransformerConfig, count_params, flops_per_token
 from sonew_pax.trainer import Trainer
 
 OPTIMIZERS = ("adamw", "adafactor", *updates.SONEW_VARIANTS)
@@ -62,6 +63,7 @@ COLUMNS = (
     "peak_memory_gib",
     "memory_ratio_vs_adamw",
     "first_step_s",
+    "mfu",
     "loss",
     "busy_ms",
 )
@@ -172,6 +174,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "peak_memory_gib": peak_memory_gib(devices),
         "first_step_s": first_step_s,
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
+        "mfu": model_flops_utilization(config, args, pipelined, len(devices)),
         "loss": float(carry[1]["loss"]),
         "first_loss": first_loss,
         "steps": 1 + args.warmup + 2 * args.iters + args.profile_steps,
@@ -180,6 +183,19 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "device": common.device_name(),
         **profile,
     }
+
+
+def model_flops_utilization(
+    config: TransformerConfig, args: argparse.Namespace, step_ms: float, devices: int
+) -> float | None:
+    """MFU of a step of ``step_ms`` as the trainer's progress line counts it: tokens/s per device
+    times ``models.flops_per_token`` over the device's peak bf16 FLOP/s
+    (``metrics.peak_flops``); ``None`` on a device of unknown peak."""
+    peak = metrics.peak_flops(jax.devices()[0].device_kind)
+    if peak is None:
+        return None
+    tokens_per_s = args.batch_size * args.seq_len / (step_ms / 1e3) / devices
+    return tokens_per_s * flops_per_token(config, args.seq_len) / peak
 
 
 def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
