@@ -82,6 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     sharded_update.add_variant_args(u)
     u.add_argument("--update_warmup", type=int, default=2, help="untimed update steps")
     u.add_argument("--update_iters", type=int, default=10, help="timed update steps (median)")
+    u.add_argument(
+        "--update_profile_steps", type=int, default=5, help="traced update steps (device time)"
+    )
     t = p.add_argument_group("train part (train_step)")
     common.add_model_args(t, model="350m", dtype="bfloat16", batch_size=16, seq_len=1024)
     t.add_argument("--train_layers", type=int, help="override the model's number of layers")
@@ -185,6 +188,7 @@ def update_args(args: argparse.Namespace) -> argparse.Namespace:
             *("--data", str(args.data), "--variants", args.variants, "--tol", str(args.tol)),
             *("--check_steps", str(args.check_steps), "--warmup", str(args.update_warmup)),
             *("--iters", str(args.update_iters), "--out", str(args.out)),
+            *("--profile_steps", str(args.update_profile_steps)),
         ]
     )
 
@@ -211,13 +215,13 @@ def run_update(args: argparse.Namespace, result: dict) -> dict:
     counts = device_counts(args, len(devices))
     result["update_params"] = lm_shapes.count(shapes)
     for band in (int(b) for b in args.bands.split(",")):
-        reference, ms_1dev = sharded_update.single_device(band, shapes, uargs)
+        reference, ms_1dev, profile_1dev = sharded_update.single_device(band, shapes, uargs)
         print(f"update band {band}: 1 device {ms_1dev:.3f} ms", flush=True)
         result["update_rows"].append(single_row(band, ms_1dev))
         write_outputs(result, args.out)
         for n in (c for c in counts if c > 1):
             rows = sharded_update.bench_variants(
-                band, shapes, devices[:n], uargs, reference, ms_1dev
+                band, shapes, devices[:n], uargs, reference, ms_1dev, profile_1dev
             )
             result["update_rows"] += [{**row, "devices": n} for row in rows]
             write_outputs(result, args.out)
