@@ -14,9 +14,9 @@ For each band the one-device update (device 0, no mesh) and each sharded variant
 same parameters and state; after ``--check_steps`` steps every parameter and state array is
 compared (``max_rel_diff`` = max over arrays of max|sharded - single| / max|single|). Then both are
 timed (``--warmup`` untimed steps, median of ``--iters`` wall times), then ``--profile_steps`` are
-traced (kept in ``--trace_dir``): a step's device time is the busiest device's kernel time (a sharded step waits for its
-slowest shard), and ``device_speedup`` compares those. Scaling efficiency = t1 / (N * tN) on wall
-times: 1 is ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
+traced (kept in ``--trace_dir``): a step's device time is the busiest device's kernel time (a
+sharded step waits for its slowest shard), and ``device_speedup`` compares those. Scaling
+efficiency = t1 / (N * tN) on wall times: 1 is ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
 (``common.launch_counts``) are counted from its HLO text.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json``)

@@ -20,9 +20,9 @@ tests).
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "pipelined_ms",
-"pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s", "mfu",
-"loss", "first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch; ``mfu`` of the pipelined step as the
-trainer's progress line counts it, null on a device of unknown peak);
+"pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s", "mfu", "loss", "first_loss",
+"steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch; ``mfu`` of the pipelined
+step as the trainer's progress line counts it, null on a device of unknown peak);
 with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
 ``span_ms`` (the time at least one kernel ran: less than ``busy_ms`` where kernels overlap),
 ``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps

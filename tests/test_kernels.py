@@ -713,3 +713,21 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
         assert {target for target, _ in calls} == {"__gpu$xla.gpu.triton"}
         assert ("fma.rn.f32" in text) == (band >= 2)
         assert [called for _, called in calls].count(name) == 1
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("scan_tile", (48, 64, 2)),
+        ("banded_tile", (64, 128)),
+        ("diagonal_tile", (8, 128, 3)),
+        ("scan_stack", 3),
+        ("max_group", 0),
+        ("scan_ahead", -1),
+    ],
+)
+def test_kernel_config_rejects_what_cannot_compile(field, value):
+    """A tile that is not three powers of 2, or a count below its least value, fails when the
+    configuration is built, with the field's name, not later inside Triton."""
+    with pytest.raises(ValueError, match=f"KernelConfig.{field} = "):
+        KernelConfig(**{field: value})

@@ -10,7 +10,8 @@ value ``k`` steps further along the chain (zero past either end), computed with 
 concatenations in the parameter's layout. When a tensor is sharded (``ChainLayout.axes``), the same
 function runs inside ``jax.shard_map`` on the local block and fetches the thin slabs it needs from
 the neighbouring shards with ``ppermute`` (a *halo*), so sharded and unsharded results are equal.
-The grafting norms (:func:`norms`) are one local reduction followed by ``pmax``/``psum``.
+The grafting norms are one local reduction (:func:`norm_pairs`), merged across the shards of every
+tensor in one all-reduce (:func:`merge_shards`).
 """
 
 from __future__ import annotations
@@ -345,41 +346,61 @@ def _nrm2_combine(acc: tuple, x: tuple) -> tuple:
     return tuple(out)
 
 
-def norms(xs: list[jax.Array], layout: ChainLayout) -> list[jax.Array]:
-    """Euclidean norms of same-shaped arrays, safe from underflow and overflow, in one pass.
+def norm_pairs(xs: list[jax.Array]) -> jax.Array:
+    """Each array's local ``(scale, sum (x / scale)^2)`` norm pair, safe from underflow and
+    overflow, in one pass: ``(2 len(xs), 1)``, rows ``scale_0, sum_0, scale_1, ...`` (the layout
+    of the kernels' per-tile pairs, with one tile). ``||x|| = scale sqrt(sum)`` once merged over
+    the shards (:func:`merge_shards`).
 
-    Equal to ``M * ||x / M||`` with ``M = max|x|`` (up to rounding), but computed as one variadic
-    reduction over ``(scale, scaled sum of squares)`` pairs (:func:`_nrm2_combine`) for all ``xs``
-    together: the inputs are read once instead of four times for two two-pass norms. Sharded, the
-    local pairs are combined with one ``pmax`` and one ``psum``.
+    One variadic reduction over the pairs (:func:`_nrm2_combine`) for all ``xs`` together: the
+    inputs are read once instead of four times for two two-pass norms.
     """
     operands, inits = [], []
     for x in xs:
         operands += [jnp.abs(x), jnp.ones_like(x)]
         inits += [jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)]
     pairs = lax.reduce(tuple(operands), tuple(inits), _nrm2_combine, tuple(range(xs[0].ndim)))
-    scales, sums = jnp.stack(pairs[0::2]), jnp.stack(pairs[1::2])
-    if not layout.mesh_axes:
-        return list(scales * jnp.sqrt(sums))
-    axes = layout.mesh_axes
-    return list(
-        merge_norm_parts(scales, sums, lambda x: lax.pmax(x, axes), lambda x: lax.psum(x, axes))
-    )
+    return jnp.stack(pairs)[:, None]
 
 
-def merge_pairs(scales, sums, reduce_max, reduce_sum) -> tuple[jax.Array, jax.Array]:
-    """One ``(scale, sum (x / scale)^2)`` pair from partial pairs (shards, or kernel tiles).
+def merge_shards(
+    pairs: dict[MeshAxes, tuple[jax.Array, jax.Array]],
+) -> dict[MeshAxes, tuple[jax.Array, jax.Array]]:
+    """Norm pairs ``(scales, sums)`` merged (:func:`merge_pairs`) over the shards of each set of
+    mesh axes, every set in one all-reduce (inside ``shard_map``).
+
+    Each device writes all its pairs into its own slot of a zero buffer over the union of the
+    sets' axes; the buffer's ``psum`` holds every device's pairs side by side (adding zeros is
+    exact), so one message replaces a ``pmax`` and a dependent ``psum`` per set. Each set then
+    merges, locally, the slots along its own axes at position 0 of the others: a tensor is
+    replicated along the axes it is not split over, so every position holds the same pairs, and
+    a static choice keeps the result typed as replicated. The buffer holds ``devices x pairs``
+    numbers: a few bytes per tensor and device of the union.
+    """
+    order = jax.sharding.get_abstract_mesh().axis_names
+    union = tuple(a for a in order if any(a in axes for axes in pairs))
+    sizes = tuple(lax.axis_size(a) for a in union)
+    flat = jnp.concatenate([jnp.stack(pair).reshape(-1) for pair in pairs.values()])
+    slot = lax.axis_index(union)
+    buffer = jnp.zeros((math.prod(sizes), flat.size), flat.dtype).at[slot].set(flat)
+    buffer = lax.psum(buffer, union).reshape(*sizes, flat.size)
+    merged, offset = {}, 0
+    for axes, (scales, _) in pairs.items():
+        at = tuple(slice(None) if a in axes else 0 for a in union)
+        part = buffer[(*at, slice(offset, offset + 2 * scales.size))]
+        offset += 2 * scales.size
+        part = part.reshape(-1, 2, *scales.shape)
+        merged[axes] = merge_pairs(part[:, 0], part[:, 1], axis=0)
+    return merged
+
+
+def merge_pairs(scales, sums, axis: int) -> tuple[jax.Array, jax.Array]:
+    """One ``(scale, sum (x / scale)^2)`` pair from the partial pairs along ``axis`` (kernel
+    tiles, or shards).
 
     Each partial sum is rescaled to the largest scale before they are added, so nothing overflows
-    or underflows. ``reduce_max`` / ``reduce_sum`` combine the parts (``pmax`` / ``psum`` across
-    shards, ``jnp.max`` / ``jnp.sum`` over an axis of tiles).
+    or underflows.
     """
-    top = reduce_max(scales)
-    ratio = scales / jnp.where(top > 0, top, 1)
-    return top, reduce_sum(sums * ratio * ratio)
-
-
-def merge_norm_parts(scales, sums, reduce_max, reduce_sum) -> jax.Array:
-    """``||x||`` from partial ``(scale, sum (x / scale)^2)`` pairs (:func:`merge_pairs`)."""
-    top, total = merge_pairs(scales, sums, reduce_max, reduce_sum)
-    return top * jnp.sqrt(total)
+    top = jnp.max(scales, axis=axis)
+    ratio = scales / jnp.expand_dims(jnp.where(top > 0, top, 1), axis)
+    return top, jnp.sum(sums * ratio * ratio, axis=axis)

@@ -7,10 +7,12 @@ per shard) the step runs
 * as the Pallas kernels (``kernels``) where they apply: the state's halo rows and every tensor's
   edges are gathered first, for all tensors at once (:func:`_halos`, :func:`_edges`: sharded, one
   collective-permute per mesh axes and direction), then the tensors of one launch key share
-  launches; the kernels' per-tile norm pairs merge into the graft ratios, across shards in one
-  ``pmax`` and one ``psum`` per set of mesh axes (:func:`_graft_ratios`);
+  launches;
 * on XLA elsewhere (:func:`_leaf_step`): ``pointwise``'s functions on chain shifts (``chain``)
   for bands 0 and 1, ``solve.precondition`` for wider bands.
+
+Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
+ratios for all tensors together, across shards in one all-reduce (:func:`_graft_ratios`).
 
 Both run the same ``pointwise`` and ``solve`` math, so they agree to float rounding.
 """
@@ -19,7 +21,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import partial
 from typing import Any, NamedTuple
 
 import jax
@@ -28,7 +29,16 @@ import optax
 
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding, solve
-from sonew_pax.optim.chain import ChainLayout, halo_width, merge_pairs, norms, parallel, run, shift
+from sonew_pax.optim.chain import (
+    ChainLayout,
+    halo_width,
+    merge_pairs,
+    merge_shards,
+    norm_pairs,
+    parallel,
+    run,
+    shift,
+)
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.pointwise import Hyper, Raw, Step
 
@@ -103,10 +113,10 @@ def _banded_step(
     hyper: Hyper,
     layout: ChainLayout,
     edge: pallas.Edges | None,
-) -> tuple[Step, tuple[jax.Array, jax.Array] | None]:
+) -> tuple[Step, jax.Array | None]:
     """The XLA path: :mod:`pointwise` elementwise for band 0 and on the shifts by one for band 1
     (:func:`_tridiagonal_step`), the generic banded solve (``solve.precondition``) for wider
-    bands; the grafting norms in one reduction."""
+    bands; the local grafting norm pairs in one reduction (``chain.norm_pairs``)."""
     bc1, bc2 = corrections
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
@@ -118,7 +128,7 @@ def _banded_step(
         e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g, successors, hyper)
         u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
         step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
-    grafting = norms([step.adam, step.u], layout) if hyper.graft == "adam" else None
+    grafting = norm_pairs([step.adam, step.u]) if hyper.graft == "adam" else None
     return step, grafting
 
 
@@ -144,9 +154,9 @@ def _leaf_step(
     graft)``; band 1 with its ``edge`` (:func:`_edges`).
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
-    ``graft`` is ``None`` when nothing is grafted, else this step's ratio ``||adam|| / ||u||`` (a
-    scalar). The kernels' steps (:func:`_leaf_steps`) return per-tile norm pairs ``(4, tiles)``
-    instead, which :func:`_graft_ratios` merges for all tensors of a shape at once.
+    ``graft`` is ``None`` when nothing is grafted, else the local norm pairs of Adam's direction
+    and of ``u`` as ``(4, 1)`` (``chain.norm_pairs``): the kernels' per-tile pairs with one tile,
+    which :func:`_graft_ratios` merges with every other tensor's.
     """
     raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
     if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
@@ -157,8 +167,7 @@ def _leaf_step(
     band = _band(e)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    ratio = None if grafting is None else _graft_ratio(grafting)
-    return step.u, step.m.astype(m.dtype), step.d, e_new, ratio
+    return step.u, step.m.astype(m.dtype), step.d, e_new, grafting
 
 
 def _leaf_steps(
@@ -304,38 +313,39 @@ _GRAFT_GROUP = 32
 
 
 def _graft_ratios(grafts: list[jax.Array | None], layouts: list) -> list[jax.Array | None]:
-    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``.
+    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``: the
+    local norm pairs ``(4, tiles)`` of the kernels' tiles, or of the XLA step (one tile).
 
-    The kernels' per-tile norm pairs are merged (``chain.merge_pairs``) for the tensors of one
-    shape together (up to ``_GRAFT_GROUP`` at a time), over their stacked pairs: a model's update
-    launches a few reductions instead of several small ones per tensor. A sharded tensor's pair
-    is then merged across its shards, with those of every tensor sharded over the same mesh axes:
-    one ``pmax`` and one ``psum`` per set of mesh axes. (The XLA path's ratios are already
-    reduced: its norm reduction fuses with the step.)
+    The pairs are merged over the tiles (``chain.merge_pairs``) for the tensors of one shape
+    together (up to ``_GRAFT_GROUP`` at a time, over their stacked pairs): a model's update
+    launches a few reductions instead of several small ones per tensor. The sharded tensors' pairs
+    are then merged across their shards, those of every set of mesh axes in one all-reduce
+    (``chain.merge_shards``).
     """
     groups: dict[tuple, list[int]] = {}
     for k, graft in enumerate(grafts):
-        if graft is not None and graft.ndim == 2:
+        if graft is not None:
             groups.setdefault((graft.shape, layouts[k].mesh_axes), []).append(k)
-    ratios = list(grafts)
-    over_tiles = (partial(jnp.max, axis=2, keepdims=True), partial(jnp.sum, axis=2, keepdims=True))
     across: dict[tuple[str, ...], list[tuple[list[int], jax.Array, jax.Array]]] = {}
     for (_, axes), members in groups.items():
         for start in range(0, len(members), _GRAFT_GROUP):
             part = members[start : start + _GRAFT_GROUP]
             stacked = jnp.stack([grafts[k] for k in part])  # (tensors, 4, tiles)
-            top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], *over_tiles)
-            top, total = top[..., 0], total[..., 0]
+            top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], axis=2)
             across.setdefault(axes, []).append((part, top, total))
+    pairs = {
+        axes: tuple(jnp.concatenate(x) for x in zip(*((t, s) for _, t, s in parts), strict=True))
+        for axes, parts in across.items()
+    }
+    sharded = {axes: pair for axes, pair in pairs.items() if axes}
+    if sharded:
+        pairs.update(merge_shards(sharded))
+    ratios = list(grafts)
     for axes, parts in across.items():
-        members = [k for part, _, _ in parts for k in part]
-        top, total = (jnp.concatenate(x) for x in zip(*((t, s) for _, t, s in parts), strict=True))
-        if axes:
-            top, total = merge_pairs(
-                top, total, lambda x: jax.lax.pmax(x, axes), lambda x: jax.lax.psum(x, axes)
-            )
+        top, total = pairs[axes]
         norm = top * jnp.sqrt(total)  # (tensors, 2): Adam's direction's and u's
         ratio = _graft_ratio((norm[:, 0], norm[:, 1]))
+        members = [k for part, _, _ in parts for k in part]
         for i, k in enumerate(members):
             ratios[k] = ratio[i]
     return ratios

@@ -3,7 +3,8 @@
 Each device updates only its block of every parameter, gradient and statistic. The neighbour
 products ``g_i g_{i+k}``, the banded solve and ``u = X m`` fetch thin halos from the neighbouring
 shards along each sharded axis (``ppermute``, see ``chain.shift``); the grafting norms are local
-sums followed by ``psum``, so the lagged graft ratios (``graft_lag``) are replicated. Nothing is
+pairs merged across shards after one ``psum`` (``chain.merge_shards``), so the lagged graft
+ratios (``graft_lag``) are replicated. Nothing is
 gathered, so the compiled update holds collective-permutes and all-reduces only, and it equals the
 single-device update.
 """

@@ -74,6 +74,44 @@ class KernelConfig:
     halo_cols: int = 512
     max_offset: int = 2**31 - 1
 
+    def __post_init__(self):
+        """Rejects values the kernels cannot compile or that make no sense, naming the field."""
+        tiles = ("diagonal_tile", "scan_tile", "banded_tile", "concurrent_banded_tile")
+        for name in tiles:
+            tile = getattr(self, name)
+            if len(tile) != 3 or not all(_power_of_2(x) for x in tile):
+                raise ValueError(
+                    f"KernelConfig.{name} = {tile!r}: want (rows, cols, num_warps), each a power "
+                    "of 2 (Triton's block shapes and warp counts)"
+                )
+        for name in ("scan_stack", "halo_cols"):
+            if not _power_of_2(getattr(self, name)):
+                raise ValueError(
+                    f"KernelConfig.{name} = {getattr(self, name)!r}: want a power of 2"
+                )
+        counts = (
+            "scan_lanes",
+            "scan_min_walk",
+            "banded_programs",
+            "banded_min_rows",
+            "group_elements",
+            "max_group",
+            "max_banded_group",
+            "halo_group",
+            "max_offset",
+        )
+        for name in counts:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"KernelConfig.{name} = {getattr(self, name)!r}: want an int >= 1")
+        for name in ("scan_ahead", "max_band"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"KernelConfig.{name} = {getattr(self, name)!r}: want an int >= 0")
+
+
+def _power_of_2(x: object) -> bool:
+    """Whether ``x`` is a positive int power of 2."""
+    return isinstance(x, int) and x > 0 and x & (x - 1) == 0
+
 
 # An executable's compile options (``jax.jit(..., compiler_options=...)``) under which XLA may run
 # its independent GPU kernels at the same time, every update one command buffer. XLA's buffer

@@ -57,7 +57,7 @@ def leaf_update(
     the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
     tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u`` (``None`` unless ``hyper.graft ==
     "adam"``; each row contiguous, so XLA reduces along the minor axis); see
-    ``chain.merge_norm_parts``.
+    ``chain.merge_pairs``.
 
     Bands >= 1 read the halo rows of ``(m, d, e)`` (``halo.band_halo_rows``) from ``halos``
     (``halo.gather_halos``, which can gather those of a model's tensors in a few launches);

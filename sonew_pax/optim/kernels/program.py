@@ -57,7 +57,7 @@ def output(scalars_ref, ratio_ref, u, p, decayed: bool):
 def write_parts(parts_ref, i, j, pairs) -> None:
     """Program ``(i, j)``'s norm pairs of Adam's direction and of ``u`` from per-lane pairs
     ``(scale, sum (x / scale)^2)``: rescaled to the largest scale and added (as
-    ``chain.merge_norm_parts``). The scale is at least the smallest normal number
+    ``chain.merge_pairs``). The scale is at least the smallest normal number
     (:func:`scale_floor`)."""
     for k, (scales, sums) in enumerate(pairs):
         top = jnp.maximum(jnp.max(scales), scale_floor(scales.dtype))
