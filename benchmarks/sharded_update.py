@@ -16,8 +16,8 @@ compared (``max_rel_diff`` = max over arrays of max|sharded - single| / max|sing
 timed (``--warmup`` untimed steps, median of ``--iters`` wall times), then ``--profile_steps`` are
 traced (kept in ``--trace_dir``): a step's device time is the busiest device's kernel time (a
 sharded step waits for its slowest shard), and ``device_speedup`` compares those. Scaling
-efficiency = t1 / (N * tN) on wall times: 1 is ideal N-fold scaling. The compiled sharded update's collectives and kernel launches
-(``common.launch_counts``) are counted from its HLO text.
+efficiency = t1 / (N * tN) on wall times: 1 is ideal N-fold scaling. The compiled sharded
+update's collectives and kernel launches (``common.launch_counts``) are counted from its HLO text.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json``)
 ``{"device", "date", "params", "devices", "config", "rows": [{"band", "variant", "mesh", "specs",
