@@ -21,6 +21,7 @@ from sonew_pax.data import (
     eval_batches,
     make_eval_batches,
     make_train_iterator,
+    pipeline,
     seqio_adapter,
     sources,
     tokenizers,
@@ -255,7 +256,9 @@ def test_gin_configures_the_source(tmp_path):
     assert set(ByteTokenizer().decode(batch["inputs"].reshape(-1))) <= set("alpha beta gamma\n")
 
 
-@pytest.mark.parametrize("name", ["shakespeare_byte", "shakespeare_spm", "shakespeare_kjv"])
+@pytest.mark.parametrize(
+    "name", ["shakespeare_byte", "shakespeare_spm", "shakespeare_kjv", "python_code_spm"]
+)
 def test_shipped_data_gin_files_parse(name):
     path = pathlib.Path(__file__).parent.parent / "configs" / "data" / f"{name}.gin"
     gin.clear_config()
@@ -264,7 +267,7 @@ def test_shipped_data_gin_files_parse(name):
         config = DataConfig()
     finally:
         gin.clear_config()
-    assert config.source.startswith("shakespeare")
+    assert config.source.startswith(("shakespeare", "python_code"))
 
 
 # --- other sources ----------------------------------------------------------------------------
@@ -326,6 +329,41 @@ def test_sentencepiece_pipeline(tmp_path):
     it = make_train_iterator(seq_len=16, batch_size=2, config=config)
     assert 256 < it.tokenizer.vocab_size <= 300 and next(it)["inputs"].max() < 300
     assert len(list((tmp_path / "cache").glob("*.model"))) == 1
+
+
+def test_sentencepiece_stream_is_encoded_once_and_cached(tmp_path, monkeypatch):
+    """The encoded stream is written to the cache and read back for the same text and
+    vocabulary (not encoded again); other text gets a stream of its own."""
+    texts = ["the quick brown fox jumps over the lazy dog\n" * 200, "pack my box with jugs\n" * 50]
+    model = tokenizers.train_sentencepiece(texts, tmp_path, vocab_size=300)
+    tokenizer = tokenizers.SentencePieceTokenizer(model)
+    first = pipeline.cached_stream(texts, tokenizer, tmp_path)
+    expected = concat_with_eos([tokenizer.encode(t) for t in texts], tokenizer.eos_id)
+    np.testing.assert_array_equal(first, expected)
+    assert len(list((tmp_path / "tokens").glob("stream-*.npy"))) == 1
+
+    def never(texts):
+        raise AssertionError("encoded again")
+
+    monkeypatch.setattr(tokenizer, "encode_many", never)
+    np.testing.assert_array_equal(pipeline.cached_stream(texts, tokenizer, tmp_path), expected)
+    monkeypatch.undo()
+    other = pipeline.cached_stream(texts[:1], tokenizer, tmp_path)
+    assert len(other) < len(expected)
+    assert len(list((tmp_path / "tokens").glob("stream-*.npy"))) == 2
+
+
+def test_python_source_documents():
+    """The standard library's and a distribution's .py files, in path order, as documents;
+    ``python_code`` names every one of them; a missing distribution names its pip command."""
+    stdlib = sources.load_documents("python:stdlib")
+    assert len(stdlib) > 500 and any("def " in doc for doc in stdlib[:50])
+    assert stdlib == corpus.python_source_documents("stdlib")  # deterministic order
+    optax_files = sources.load_documents("python:optax")
+    assert optax_files and all(isinstance(doc, str) for doc in optax_files)
+    assert corpus.CODE_SOURCES[0] == "stdlib"
+    with pytest.raises(MissingCorpusError, match="pip install --no-deps no-such-dist"):
+        sources.load_documents("python:no-such-dist")
 
 
 # --- seqio ------------------------------------------------------------------------------------

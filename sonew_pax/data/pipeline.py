@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import os
+import pathlib
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,7 +42,8 @@ class DataConfig:
       vocab_size: the SentencePiece vocabulary size (ignored for bytes and seqio).
       spm_model_type: ``"unigram"`` or ``"bpe"``.
       spm_sample_chars: size of the deterministic text sample SentencePiece is trained on.
-      cache_dir: where trained SentencePiece models are cached; None → `default_cache_dir()`.
+      cache_dir: where trained SentencePiece models and the streams they encode are cached; None
+        → `default_cache_dir()`.
       eval_fraction: the held-out tail of every document (text sources).
       seqio_train_split, seqio_eval_split, seqio_feature: what a seqio task is read from.
     """
@@ -87,17 +92,49 @@ def get_tokenizer(config: DataConfig) -> tokenizers.Tokenizer:
 
 @functools.lru_cache(maxsize=8)
 def token_stream(config: DataConfig, split: str) -> np.ndarray:
-    """Returns the ``"train"`` or ``"eval"`` split of `config` as one EOS-separated token stream."""
+    """Returns the ``"train"`` or ``"eval"`` split of `config` as one EOS-separated token stream.
+
+    A SentencePiece stream of a text source is encoded once and cached in ``config.cache_dir``
+    (`cached_stream`); bytes are encoded on the fly.
+    """
     tokenizer = get_tokenizer(config)
     if config.seqio_task is not None:
         documents = seqio_adapter.seqio_documents(
             config.seqio_task, _split_name(config, split), config.seqio_feature
         )
+        stream = packing.concat_with_eos(documents, tokenizer.eos_id)
     else:
         texts = sources.split_texts(config.source, split, config.eval_fraction)
-        documents = [tokenizer.encode(text) for text in texts]
-    stream = packing.concat_with_eos(documents, tokenizer.eos_id)
+        if isinstance(tokenizer, tokenizers.SentencePieceTokenizer):
+            cache = pathlib.Path(config.cache_dir or tokenizers.default_cache_dir())
+            stream = cached_stream(texts, tokenizer, cache)
+        else:
+            stream = packing.concat_with_eos(tokenizer.encode_many(texts), tokenizer.eos_id)
     stream.flags.writeable = False
+    return stream
+
+
+def cached_stream(
+    texts: list[str], tokenizer: tokenizers.SentencePieceTokenizer, cache_dir: pathlib.Path
+) -> np.ndarray:
+    """The EOS-separated stream of ``texts`` encoded by ``tokenizer``, read from ``cache_dir`` or
+    encoded (on all cores) and written there.
+
+    The file is named by a hash of the tokenizer's model and the texts, so it is reused only for
+    the same text and vocabulary, and written atomically (concurrent processes may race safely).
+    """
+    digest = hashlib.sha256(tokenizer.fingerprint())
+    for text in texts:
+        data = text.encode("utf-8")
+        digest.update(len(data).to_bytes(8, "little") + data)
+    path = cache_dir / "tokens" / f"stream-{digest.hexdigest()[:24]}.npy"
+    if path.is_file():
+        return np.load(path)
+    stream = packing.concat_with_eos(tokenizer.encode_many(texts), tokenizer.eos_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".tmp", delete=False) as handle:
+        np.save(handle, stream)
+    os.replace(handle.name, path)
     return stream
 
 

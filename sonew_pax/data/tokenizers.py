@@ -30,6 +30,8 @@ class Tokenizer(Protocol):
     pad_id: int
     eos_id: int
 
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+
     def encode(self, text: str) -> np.ndarray:
         """Returns the int32 token ids of `text` (no EOS appended)."""
         ...
@@ -50,6 +52,10 @@ class ByteTokenizer:
         """Returns the UTF-8 bytes of `text` (NUL characters removed) as int32 ids."""
         data = text.replace("\0", "").encode("utf-8")
         return np.frombuffer(data, dtype=np.uint8).astype(np.int32)
+
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """:meth:`encode` of every text."""
+        return [self.encode(text) for text in texts]
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Returns the text of byte ids; PAD/EOS are dropped, invalid UTF-8 is replaced."""
@@ -74,6 +80,15 @@ class SentencePieceTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """Returns the piece ids of `text` as int32."""
         return np.asarray(self._processor.encode(text), dtype=np.int32)
+
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """:meth:`encode` of every text, on all CPU cores."""
+        ids = self._processor.encode(list(texts), num_threads=os.cpu_count() or 1)
+        return [np.asarray(x, dtype=np.int32) for x in ids]
+
+    def fingerprint(self) -> bytes:
+        """The model's bytes: what its encoding depends on."""
+        return self._processor.serialized_model_proto()
 
     def decode(self, ids: Sequence[int] | np.ndarray) -> str:
         """Returns the text of piece ids; PAD and EOS are dropped."""
