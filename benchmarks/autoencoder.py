@@ -217,12 +217,18 @@ def lr_schedule(peak, steps_per_epoch: int, epochs: int, warmup_epochs: float):
 
 
 def make_optimizer(
-    name: str, hp: dict, schedule, graft_eps: float | str = 1e-8, implementation: str = "xla"
+    name: str,
+    hp: dict,
+    schedule,
+    graft_eps: float | str = 1e-8,
+    implementation: str = "xla",
+    damping: str = "absolute",
 ) -> optax.GradientTransformation:
     """The transformation `name` with hyperparameters `hp` (b1, b2, eps; may be traced).
 
     `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε; `implementation`
-    SONew's (`"xla"` or `"pallas"`, the GPU kernels).
+    SONew's (`"xla"` or `"pallas"`, the GPU kernels); `damping` SONew's (ε as given, or relative
+    to each tensor's diagonal: `"mean"`, `"max"`).
     """
     b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
     if name in SONEW_VARIANTS:
@@ -238,6 +244,7 @@ def make_optimizer(
             graft="adam",
             graft_eps=graft_eps,
             implementation=implementation,
+            damping=damping,
             **variant,
         )
     builders = {
@@ -266,12 +273,18 @@ class Trainer:
         self.dtype = jnp.dtype(args.dtype)
         self.graft_eps = args.sonew_graft_eps
         self.implementation = args.implementation
+        self.damping = args.sonew_damping
 
     def _tx(self, hp: dict) -> optax.GradientTransformation:
         """This run's optimizer; its schedule peaks at the run's learning rate."""
         schedule = lr_schedule(hp["learning_rate"], self.steps, self.epochs, self.warmup_epochs)
         return make_optimizer(
-            self.name, {**self.betas, **hp}, schedule, self.graft_eps, self.implementation
+            self.name,
+            {**self.betas, **hp},
+            schedule,
+            self.graft_eps,
+            self.implementation,
+            self.damping,
         )
 
     def _init(self, hp: dict):
@@ -479,6 +492,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument(
         "--sonew_graft_eps", default="1e-8", help="SONew's Adam-graft ε: a number, or 'eps' (= ε)"
+    )
+    p.add_argument(
+        "--sonew_damping",
+        default="absolute",
+        choices=("absolute", "mean", "max"),
+        help="SONew's damping: ε as given, or ε times each tensor's mean / max of diag(H)",
     )
     p.add_argument(
         "--implementation",

@@ -37,11 +37,13 @@ rewritten after every run, so a run cut short still has comparable sweeps.
 
 Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"device", "date",
 "params", "config", "rows": [{"optimizer", "learning_rate", "eps", "final_eval_loss",
-"steps_to_adamw_final", "steps_ratio_vs_adamw", ..., "lr_at_grid_edge", "eps_at_grid_edge"}],
+"steps_to_adamw_final", "steps_ratio_vs_adamw", ..., "ms_per_step", "seconds_ratio_vs_adamw",
+"lr_at_grid_edge", "eps_at_grid_edge"}],
 "runs": [{"optimizer", "learning_rate", "eps", "curve": {"step", "eval_loss", "train_loss"},
 ...}]}`` (``eps`` is SONew's damping, null for the other optimizers), and next to it
 ``<name>.md`` (tables) and ``<name>.png`` (eval loss vs step: best run per optimizer, the sweep
-faint).
+faint; and the best runs vs seconds of training steps). ``ms_per_step`` excludes evaluations;
+``seconds_ratio_vs_adamw`` is ``steps_ratio_vs_adamw`` times the step-time ratio.
 
 Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` for CPU;
 ``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--seeds 0,1,2`` runs every setting
@@ -107,6 +109,8 @@ ROW_COLUMNS = (
     "steps_ratio_vs_adamw",
     "steps_to_adafactor_final",
     "steps_ratio_vs_adafactor",
+    "ms_per_step",
+    "seconds_ratio_vs_adamw",
     "lr_at_grid_edge",
     "eps_at_grid_edge",
     "seeds",
@@ -164,14 +168,17 @@ def adafactor_unfactored(
 
 
 def hyperparameters(
-    sonew_eps: float | list[float] = DEFAULT_SONEW_EPS, sonew_b2: float = B2
+    sonew_eps: float | list[float] = DEFAULT_SONEW_EPS,
+    sonew_b2: float = B2,
+    sonew_damping: str = "absolute",
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
-    ``sonew_eps`` (the JSON's config records the list of swept values) and its ``b2``
-    ``sonew_b2``."""
+    ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``
+    and its ``damping`` ``sonew_damping``."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
+    hp[CANDIDATE]["damping"] = sonew_damping
     return hp
 
 
@@ -295,7 +302,8 @@ class OptimizerRunner:
             total_steps=args.steps,
             end_factor=args.end_factor,
         )
-        hp, eps = hyperparameters(sonew_b2=args.sonew_b2)[name], None
+        hp = hyperparameters(sonew_b2=args.sonew_b2, sonew_damping=args.sonew_damping)[name]
+        eps = None
         if name == CANDIDATE:  # eps is optimizer state, set per run
             del hp["eps"]
             eps = args.sonew_eps[0]
@@ -360,7 +368,7 @@ def train_run(
         curve["step"].append(0)
         curve["eval_loss"].append(params0_loss)
         curve["train_loss"].append(None)
-        first_step_s, timed_from = None, None
+        first_step_s, timed_from, eval_seconds = None, None, 0.0
         for step in range(1, steps + 1):
             state, metrics = trainer.train_step(state, train[step - 1])
             pending.append(metrics["loss"])
@@ -368,9 +376,13 @@ def train_run(
                 jax.block_until_ready(metrics["loss"])
                 first_step_s = time.perf_counter() - start
                 timed_from = time.perf_counter()
+                eval_seconds = 0.0
             if not eval_due(step, args.eval_every, steps):
                 continue
+            jax.block_until_ready(state)  # the steps so far are done: evaluation is timed apart
+            eval_start = time.perf_counter()
             eval_loss = evaluate(trainer, state.params, held_out)
+            eval_seconds += time.perf_counter() - eval_start
             window, pending = np.asarray(jax.device_get(pending)), []
             curve["step"].append(step)
             curve["eval_loss"].append(eval_loss if math.isfinite(eval_loss) else None)
@@ -382,7 +394,8 @@ def train_run(
     jax.block_until_ready(state)
     seconds = time.perf_counter() - start
     done = curve["step"][-1]
-    ms = 1e3 * (time.perf_counter() - timed_from) / max(done - 1, 1)
+    # Steps 2 onward, without their evaluations: the optimizer's cost per step.
+    ms = 1e3 * (time.perf_counter() - timed_from - eval_seconds) / max(done - 1, 1)
     finite = [x for x in curve["eval_loss"] if x is not None]
     return {
         "optimizer": runner.name,
@@ -536,11 +549,13 @@ def summary_rows(
     """One row per optimizer: its best setting (learning rate and eps) by the mean over
     ``seeds`` (default ``[0]``; `mean_over_seeds`) and the steps its mean curve needs to reach
     the references' final held-out losses (AdamW's, as the metric; Adafactor's, as the paper
-    compares); ``steps_ratio_vs_adamw_per_seed``: the same ratio from each seed's own runs of
-    those settings. ``eps``: the swept eps values per optimizer (SONew's)."""
+    compares); ``ms_per_step`` (`step_ms`) and ``seconds_ratio_vs_adamw``, the wall-clock
+    ratio at AdamW's final loss; ``steps_ratio_vs_adamw_per_seed``: the same ratio from each
+    seed's own runs of those settings. ``eps``: the swept eps values per optimizer (SONew's)."""
     eps, seeds = eps or {}, seeds or [0]
     best = best_runs(mean_over_seeds(runs, seeds))
     per_seed = {s: {run_key(r): r for r in runs if r.get("seed", seeds[0]) == s} for s in seeds}
+    times = step_ms(runs)
     rows = []
     for name in OPTIMIZERS:
         run = best.get(name)
@@ -554,6 +569,8 @@ def summary_rows(
         }
         for ref in (BASELINE, "adafactor"):
             row.update(_steps_vs(run, best.get(ref), ref))
+        row["ms_per_step"] = times.get(name)
+        row["seconds_ratio_vs_adamw"] = _seconds_ratio(row, times.get(BASELINE))
         row["seeds"] = len(seeds)
         row["steps_ratio_vs_adamw_per_seed"] = [
             _ratio_vs_baseline(own, run, best.get(BASELINE)) for own in per_seed.values()
@@ -567,6 +584,25 @@ def summary_rows(
         row["runs_finished"] = sum(r["optimizer"] == name for r in runs)
         rows.append(row)
     return rows
+
+
+def step_ms(runs: list[dict]) -> dict[str, float]:
+    """Each optimizer's median ``ms_per_step`` over its runs (every setting runs the same
+    compiled step; evaluations excluded)."""
+    times: dict[str, list[float]] = {}
+    for run in runs:
+        if run.get("ms_per_step"):
+            times.setdefault(run["optimizer"], []).append(run["ms_per_step"])
+    return {name: float(np.median(values)) for name, values in times.items()}
+
+
+def _seconds_ratio(row: dict, baseline_ms: float | None) -> float | None:
+    """The wall-clock time ``row``'s optimizer needs to reach AdamW's final held-out loss, over
+    AdamW's: ``steps_ratio_vs_adamw`` times the ratio of their step times."""
+    ratio, ms = row[f"steps_ratio_vs_{BASELINE}"], row["ms_per_step"]
+    if ratio is None or not ms or not baseline_ms:
+        return None
+    return ratio * ms / baseline_ms
 
 
 def _ratio_vs_baseline(own: dict[tuple, dict], run: dict, baseline: dict | None) -> float | None:
@@ -603,8 +639,15 @@ def plot(result: dict, path: Path) -> bool:
         return False
     best = {run_key(row) for row in result["rows"]}
     runs = mean_over_seeds(result["runs"], seeds_of(result["config"]))
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    for ax, zoom in zip(axes, (False, True), strict=True):
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5))
+    times = step_ms(result["runs"])
+    for run in runs:
+        if run_key(run) in best and run["optimizer"] in times:
+            _plot_run(axes[2], run, True, False, seconds_per_step=times[run["optimizer"]] / 1e3)
+    axes[2].set_xlabel("seconds of training steps (median step time x steps)")
+    axes[2].set_title("best runs against training time")
+    axes[2].grid(alpha=0.3)
+    for ax, zoom in zip(axes[:2], (False, True), strict=True):
         for run in runs:
             _plot_run(ax, run, run_key(run) in best, zoom)
         adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
@@ -627,13 +670,16 @@ def plot(result: dict, path: Path) -> bool:
     return True
 
 
-def _plot_run(ax, run: dict, is_best: bool, zoom: bool) -> None:
+def _plot_run(ax, run: dict, is_best: bool, zoom: bool, seconds_per_step: float = 0.0) -> None:
+    """One run's eval curve against steps, or with ``seconds_per_step`` against seconds."""
+    scale = seconds_per_step or 1
     points = [
-        (s, y) for s, y in zip(*(run["curve"][k] for k in ("step", "eval_loss")), strict=True)
+        (s * scale, y)
+        for s, y in zip(*(run["curve"][k] for k in ("step", "eval_loss")), strict=True)
     ]
     points = [(s, y) for s, y in points if y is not None]
     if zoom:
-        half = run["curve"]["step"][-1] / 2
+        half = run["curve"]["step"][-1] * scale / 2
         points = [(s, y) for s, y in points if s >= half]
     if not points:
         return
@@ -740,7 +786,7 @@ def build_result(
             "seeds": args.seeds,
             "learning_rates": lrs,
             "layers": args.layers,
-            "hyperparameters": hyperparameters(args.sonew_eps, args.sonew_b2),
+            "hyperparameters": hyperparameters(args.sonew_eps, args.sonew_b2, args.sonew_damping),
             "jax": jax.__version__,
         },
         "rows": summary_rows(runs, lrs, eps, args.seeds),
@@ -887,6 +933,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="comma-separated values of SONew's absolute damping of diag(H) (default "
         f"{DEFAULT_SONEW_EPS:g}; see the README for the choice); SONew runs every learning rate "
         "with every value (one compiled step: eps is optimizer state)",
+    )
+    p.add_argument(
+        "--sonew_damping",
+        default="absolute",
+        choices=("absolute", "mean", "max"),
+        help="SONew's damping: eps as given, or times each tensor's mean / max of diag(H)",
     )
     p.add_argument(
         "--sonew_b2",

@@ -70,3 +70,31 @@ def test_schedule_warms_up_then_decays_to_zero():
     assert float(schedule(50)) == pytest.approx(1.0)
     assert float(schedule(1000)) == 0.0
     assert float(schedule(525)) == pytest.approx(0.5)
+
+
+@pytest.mark.skipif(not has_sonew(), reason="sonew_pax.optim.sonew not written")
+def test_sonew_damping_flag_reaches_the_optimizer():
+    """``--sonew_damping`` is parsed and builds SONew with that damping: the relative one's
+    update of the autoencoder's parameters is finite and differs from the absolute one's."""
+    import jax
+    import jax.numpy as jnp
+
+    assert autoencoder.parse_args(["--sonew_damping", "mean"]).sonew_damping == "mean"
+    params = autoencoder.init_params(jax.random.PRNGKey(0), jnp.float32)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.PRNGKey(1), len(leaves))
+    grads = treedef.unflatten(
+        [1e-3 * jax.random.normal(k, p.shape, p.dtype) for k, p in zip(keys, leaves, strict=True)]
+    )
+    hp = {"b1": 0.9, "b2": 0.999, "eps": 1e-2}
+
+    def update(damping):
+        tx = autoencoder.make_optimizer("sonew_tridiag", hp, 1e-3, damping=damping)
+        return tx.update(grads, tx.init(params), params)[0]
+
+    relative, absolute = update("mean"), update("absolute")
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(relative))
+    assert any(
+        float(jnp.max(jnp.abs(a - b))) > 0
+        for a, b in zip(jax.tree.leaves(relative), jax.tree.leaves(absolute), strict=True)
+    )

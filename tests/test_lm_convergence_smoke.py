@@ -66,6 +66,28 @@ def test_sonew_b2_flag_reaches_only_sonew():
     assert factory.keywords["b2"] == 0.99
 
 
+def test_seconds_ratio_is_the_steps_ratio_times_the_step_time_ratio():
+    runs = [
+        {"optimizer": "adamw", "ms_per_step": 10.0},
+        {"optimizer": "adamw", "ms_per_step": 12.0},
+        {"optimizer": "adamw", "ms_per_step": 11.0},
+        {"optimizer": "sonew_tridiag", "ms_per_step": 13.2},
+        {"optimizer": "sonew_tridiag", "ms_per_step": None},  # an older run without a time
+    ]
+    times = lm_convergence.step_ms(runs)
+    assert times == {"adamw": 11.0, "sonew_tridiag": 13.2}
+    row = {"steps_ratio_vs_adamw": 0.8, "ms_per_step": times["sonew_tridiag"]}
+    assert abs(lm_convergence._seconds_ratio(row, times["adamw"]) - 0.8 * 1.2) < 1e-12
+    assert lm_convergence._seconds_ratio({**row, "steps_ratio_vs_adamw": None}, 11.0) is None
+
+
+def test_sonew_damping_flag_reaches_only_sonew():
+    args = lm_convergence.parse_args(["--sonew_damping", "mean"])
+    hp = lm_convergence.hyperparameters(sonew_damping=args.sonew_damping)
+    assert hp["sonew_tridiag"]["damping"] == "mean"
+    assert all("damping" not in hp[name] for name in hp if name != "sonew_tridiag")
+
+
 def test_adam_decay_rate_is_bias_corrected_ema():
     b2, v, g2 = 0.9, 0.0, [1.0, 4.0, 9.0]
     for step, x in enumerate(g2):
@@ -118,6 +140,8 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
         assert row["eps_at_grid_edge"] is (True if name == "sonew_tridiag" else None)
     assert rows["sonew_tridiag"]["eps"] in EPS and rows["adamw"]["eps"] is None
     assert rows["adamw"]["steps_ratio_vs_adamw"] == 1.0
+    assert rows["adamw"]["seconds_ratio_vs_adamw"] == 1.0
+    assert all(row["ms_per_step"] > 0 for row in rows.values())
     assert rows["adamw"]["final_eval_loss"] < written["runs"][0]["curve"]["eval_loss"][0]
 
     md = out.with_suffix(".md").read_text()

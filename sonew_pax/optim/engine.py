@@ -165,6 +165,7 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = _band(e)
+    hyper = _damped(raw, corrections, hyper, layout)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     return step.u, step.m.astype(m.dtype), step.d, e_new, grafting
@@ -236,12 +237,38 @@ def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
 
 
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
-    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
+    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel (they
+    take the absolute damping only: a relative one runs on XLA, :func:`_damped`)."""
     return (
         kernels is not None
+        and hyper.damping == "absolute"
         and _has_chain(layout, hyper)
         and pallas.supported(layout, band, kernels)
     )
+
+
+def _damped(raw: Raw, corrections, hyper: Hyper, layout: ChainLayout) -> Hyper:
+    """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``eps`` times the mean
+    (``"mean"``) or the largest entry (``"max"``) of the step's bias-corrected diagonal ``d_hat``
+    over the whole tensor (all its shards: one more ``psum`` or ``pmax``), at least the smallest
+    normal number; ``"absolute"`` keeps ``eps``.
+
+    A relative damping scales with the gradients' squared scale, as ``d_hat`` does, so the
+    grafted update does not change when the gradients are scaled (the paper's regret bound takes
+    ``eps`` proportional to the gradients' bound, Theorem 3).
+    """
+    if hyper.damping == "absolute":
+        return hyper
+    _, d = pointwise.moments(raw, hyper)
+    d_hat = d / corrections[1]
+    axes = layout.mesh_axes
+    if hyper.damping == "max":
+        scale = jnp.max(d_hat)
+        scale = jax.lax.pmax(scale, axes) if axes else scale
+    else:
+        total = jnp.sum(d_hat)
+        scale = (jax.lax.psum(total, axes) if axes else total) / math.prod(layout.shape)
+    return hyper._replace(eps=jnp.maximum(hyper.eps * scale, jnp.finfo(d.dtype).tiny))
 
 
 def _halos(

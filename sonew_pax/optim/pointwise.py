@@ -23,7 +23,12 @@ from sonew_pax.optim.fma import madd
 
 
 class Hyper(NamedTuple):
-    """Hyperparameters of one step: numbers (arrays under ``inject_hyperparams``) and flags."""
+    """Hyperparameters of one step: numbers (arrays under ``inject_hyperparams``) and flags.
+
+    ``eps`` is the damping added to the bias-corrected diagonal: with ``damping="absolute"`` as
+    given; otherwise the engine replaces it per tensor (``engine._damped``) before these functions
+    see it.
+    """
 
     b1: Any
     b2: Any
@@ -32,6 +37,7 @@ class Hyper(NamedTuple):
     graft_eps: Any
     graft: str
     precondition_1d: bool
+    damping: str = "absolute"
 
 
 class Raw(NamedTuple):

@@ -48,6 +48,7 @@ from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
 from sonew_pax.optim.transform import GradientTransformationWithApply
 
 GRAFTS = ("adam", "none")
+DAMPINGS = ("absolute", "mean", "max")
 # Defaults. ``eps`` is an absolute damping added to the bias-corrected diagonal. SONew's direction
 # has no square root (u ~ m / d), so coordinates whose second moment is far below eps's would
 # dominate each tensor and, after grafting, starve the rest: 1e-8 (1e-4 on Adam's sqrt scale)
@@ -152,6 +153,8 @@ def _validate(hyper: Hyper, graft_lag: bool, mesh: Any, param_specs: Any) -> Non
     """Raises ``ValueError`` naming the offending argument."""
     if hyper.graft not in GRAFTS:
         raise ValueError(f"graft must be one of {GRAFTS}, got {hyper.graft!r}.")
+    if hyper.damping not in DAMPINGS:
+        raise ValueError(f"damping must be one of {DAMPINGS}, got {hyper.damping!r}.")
     if graft_lag and hyper.graft != "adam":
         raise ValueError(f"graft_lag=True needs graft='adam', got graft={hyper.graft!r}.")
     _check_fraction("b1", hyper.b1)
@@ -183,13 +186,15 @@ def scale_by_sonew(
     implementation: str = "auto",
     graft_lag: bool = False,
     kernel_config: KernelConfig = pallas.DEFAULT,
+    damping: str = "absolute",
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
     Args:
       b1: decay of the first moment ``m``.
       b2: decay of the banded second-moment statistics ``d`` and ``e``.
-      eps: absolute damping added to the bias-corrected diagonal of ``H``.
+      eps: damping added to the bias-corrected diagonal of ``H``: as given, or relative to the
+        tensor's diagonal (``damping``).
       band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2).
       gamma: Algorithm 3's tolerance: the chain is cut after vertex ``j`` when its Schur
         complement is ``<= gamma * H_jj`` (or undefined / not finite).
@@ -238,6 +243,14 @@ def scale_by_sonew(
         the seeds' spread); it is what lets the kernels apply the update (module docstring).
       kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); the default is
         the fastest measured.
+      damping: how ``eps`` damps the diagonal: ``"absolute"`` adds ``eps`` itself (its best
+        value follows the gradients' squared scale, so it changes with the model); ``"mean"``
+        adds ``eps`` times the mean of the tensor's bias-corrected diagonal ``d_hat``, ``"max"``
+        times its largest entry (the paper's analysis takes the damping proportional to the
+        gradients' bound, Theorem 3). A relative damping makes the grafted update independent
+        of the gradients' scale; it runs on XLA (one more reduction per tensor, across shards
+        one more all-reduce), and a non-finite gradient entry makes the whole tensor's update
+        non-finite.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
@@ -263,7 +276,7 @@ def scale_by_sonew(
     updates stay non-finite: the trainer stops, or skips such a step before the optimizer sees it
     (``train.non_finite``). Tensors with a 0-size dimension get an empty update.
     """
-    hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d)
+    hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d, damping)
     mesh, param_specs = sharding.as_specs(param_specs, mesh)
     _validate(hyper, graft_lag, mesh, param_specs)
     if implementation not in IMPLEMENTATIONS:
@@ -370,6 +383,7 @@ def sonew(
     implementation: str = "auto",
     graft_lag: bool = False,
     kernel_config: KernelConfig = pallas.DEFAULT,
+    damping: str = "absolute",
 ) -> GradientTransformationWithApply:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -411,6 +425,8 @@ def sonew(
       implementation: ``"auto"``, ``"xla"`` or ``"pallas"``.
       graft_lag: scale by the previous step's graft ratio (lets the kernels apply the update).
       kernel_config: how the GPU kernels tile and launch (``kernels.KernelConfig``).
+      damping: ``"absolute"`` (``eps`` as given), or ``eps`` relative to each tensor's
+        bias-corrected diagonal: its ``"mean"`` or ``"max"``.
 
       :func:`scale_by_sonew` says more of each.
 
@@ -448,6 +464,7 @@ def sonew(
         offdiag_dtype=offdiag_dtype,
         implementation=implementation,
         graft_lag=graft_lag,
+        damping=damping,
         kernel_config=kernel_config,
     )
     decayed = optax.add_decayed_weights(weight_decay, mask)

@@ -1,0 +1,96 @@
+"""The relative damping (``sonew(..., damping="mean" | "max")``): each step's ``eps`` is the given
+one times a statistic of the tensor's bias-corrected diagonal, which makes the grafted update
+independent of the gradients' scale."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sonew_pax.optim import scale_by_sonew, sonew
+from tests.test_sonew_sharded import assert_sharded_matches, make_mesh
+
+B2 = 0.95
+
+
+def _grads(shape, steps, seed=0, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(scale * rng.normal(size=shape)) for _ in range(steps)]
+
+
+@pytest.mark.parametrize("band", [0, 1, 2])
+@pytest.mark.parametrize("damping", ["mean", "max"])
+def test_each_step_is_the_absolute_step_with_the_tensors_eps(x64, band, damping):
+    """Step ``t`` of the relative damping equals the absolute-damping step whose ``eps`` is the
+    given one times the mean (or max) of ``d_hat_t = (b2 d_{t-1} + (1 - b2) g_t^2) / (1 -
+    b2^t)``, computed here from the gradients alone."""
+    shape, rel = (6, 5), 1e-2
+    grads = _grads(shape, 4, seed=band)
+    kwargs = dict(band=band, b2=B2, graft="none", stats_dtype=jnp.float64)
+    relative = scale_by_sonew(eps=rel, damping=damping, **kwargs)
+    absolute = optax.inject_hyperparams(scale_by_sonew, static_args=("band",))(eps=0.0, **kwargs)
+    params = jnp.zeros(shape)
+    state_rel, state_abs = relative.init(params), absolute.init(params)
+    d = np.zeros(shape)
+    for t, g in enumerate(grads, start=1):
+        d = B2 * d + (1 - B2) * np.square(np.asarray(g))
+        d_hat = d / (1 - B2**t)
+        reduce = np.mean if damping == "mean" else np.max
+        state_abs.hyperparams["eps"] = jnp.asarray(rel * reduce(d_hat))
+        u_rel, state_rel = relative.update(g, state_rel, params)
+        u_abs, state_abs = absolute.update(g, state_abs, params)
+        # The mean is summed in another order here: eps differs in its last bits, which band 2's
+        # window solve amplifies in the smallest entries.
+        np.testing.assert_allclose(u_rel, u_abs, rtol=1e-10, atol=1e-12 * np.max(np.abs(u_abs)))
+
+
+@pytest.mark.parametrize("band", [0, 1, 4])
+def test_relative_damping_makes_the_grafted_update_scale_free(x64, band):
+    """Gradients scaled by 1e-3 or 1e3 give the same grafted update with a relative damping;
+    with the absolute one they do not (the damping then weighs 1e6 times more or less). Adam's
+    ``graft_eps`` is 0 here: it is absolute too."""
+    shape = (8, 6)
+    params = {"w": jnp.zeros(shape), "b": jnp.zeros((5,))}
+
+    def updates(damping, scale):
+        tx = sonew(
+            1.0, band=band, eps=1e-2, damping=damping, graft_eps=0.0, stats_dtype=jnp.float64
+        )
+        state = tx.init(params)
+        rng = np.random.default_rng(band)
+        for _ in range(3):
+            grads = jax.tree.map(lambda p: jnp.asarray(scale * rng.normal(size=p.shape)), params)
+            u, state = tx.update(grads, state, params)
+        return u
+
+    for damping in ("mean", "max"):
+        base = updates(damping, 1.0)
+        for scale in (1e-3, 1e3):
+            jax.tree.map(
+                lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-9, atol=0),
+                updates(damping, scale),
+                base,
+            )
+    base, scaled = updates("absolute", 1.0)["w"], updates("absolute", 1e-3)["w"]
+    assert np.max(np.abs(scaled - base)) > 1e-3 * np.max(np.abs(base))
+
+
+@pytest.mark.parametrize("damping", ["mean", "max"])
+def test_sharded_relative_damping_equals_unsharded(x64, damping):
+    """The statistic is taken over the whole tensor, across its shards."""
+    mesh = make_mesh((2, 4))
+    params = {"rows": jnp.zeros((8, 3)), "both": jnp.zeros((4, 12)), "rep": jnp.zeros((3, 5))}
+    specs = {"rows": P("data", None), "both": P("data", "model"), "rep": P()}
+    rng = np.random.default_rng(7)
+    grads_seq = [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(3)
+    ]
+    kwargs = dict(band=1, eps=1e-2, damping=damping, stats_dtype=jnp.float64)
+    assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
+
+
+def test_unknown_damping_is_named():
+    with pytest.raises(ValueError, match="damping must be one of"):
+        sonew(1e-3, damping="median")
