@@ -198,13 +198,17 @@ def _leaf_steps(
         else:
             steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay, edges[k])
     for (shape, band, *_), members in groups.items():
-        size = pallas.launch_group(shape, band, kernels)
+        # A relative damping is a number of its own per tensor: the tensors launch one at a time.
+        relative = hyper.damping != "absolute"
+        size = 1 if relative else pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
             part = members[start : start + size]
+            k = part[0]
+            raw = Raw(grads[k].astype(d[k].dtype), m[k], d[k])
             results = pallas.group_update(
                 *([x[k] for k in part] for x in (grads, m, d, e)),
                 corrections,
-                hyper,
+                _damped(raw, corrections, hyper, layouts[k]) if relative else hyper,
                 interpret=_interpret(),
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
@@ -237,11 +241,9 @@ def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
 
 
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
-    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel (they
-    take the absolute damping only: a relative one runs on XLA, :func:`_damped`)."""
+    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
     return (
         kernels is not None
-        and hyper.damping == "absolute"
         and _has_chain(layout, hyper)
         and pallas.supported(layout, band, kernels)
     )
@@ -251,7 +253,8 @@ def _damped(raw: Raw, corrections, hyper: Hyper, layout: ChainLayout) -> Hyper:
     """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``eps`` times the mean
     (``"mean"``) or the largest entry (``"max"``) of the step's bias-corrected diagonal ``d_hat``
     over the whole tensor (all its shards: one more ``psum`` or ``pmax``), at least the smallest
-    normal number; ``"absolute"`` keeps ``eps``.
+    normal number; ``"absolute"`` keeps ``eps``. It reads ``g`` and the old ``d`` in a pass of
+    its own before the step (on the kernels too, whose step takes the result as a number).
 
     A relative damping scales with the gradients' squared scale, as ``d_hat`` does, so the
     grafted update does not change when the gradients are scaled (the paper's regret bound takes

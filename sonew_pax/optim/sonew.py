@@ -248,9 +248,9 @@ def scale_by_sonew(
         adds ``eps`` times the mean of the tensor's bias-corrected diagonal ``d_hat``, ``"max"``
         times its largest entry (the paper's analysis takes the damping proportional to the
         gradients' bound, Theorem 3). A relative damping makes the grafted update independent
-        of the gradients' scale; it runs on XLA (one more reduction per tensor, across shards
-        one more all-reduce), and a non-finite gradient entry makes the whole tensor's update
-        non-finite.
+        of the gradients' scale. It costs a pass over ``g`` and ``d`` before the step (across
+        shards one more all-reduce per tensor; the kernels launch each tensor alone), and a
+        non-finite gradient entry makes the whole tensor's update non-finite.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
