@@ -366,6 +366,22 @@ def test_python_source_documents():
         sources.load_documents("python:no-such-dist")
 
 
+def test_python_source_with_a_missing_file_names_it(tmp_path, monkeypatch):
+    """A file the install record lists but the disk lacks is an error naming it, not a corpus
+    that silently shrinks."""
+    (tmp_path / "here.py").write_text("x = 1\n")
+
+    class Damaged:
+        files = (pathlib.PurePosixPath("here.py"), pathlib.PurePosixPath("gone.py"))
+
+        def locate_file(self, path):
+            return tmp_path / path
+
+    monkeypatch.setattr(corpus.importlib.metadata, "distribution", lambda name: Damaged())
+    with pytest.raises(MissingCorpusError, match=r"gone\.py .*--force-reinstall"):
+        corpus.python_source_documents("damaged")
+
+
 # --- seqio ------------------------------------------------------------------------------------
 
 

@@ -157,7 +157,8 @@ def python_source_documents(name: str) -> list[str]:
     include through the text itself.
 
     Raises:
-      MissingCorpusError: naming the distribution and the pip command that installs it.
+      MissingCorpusError: naming the distribution and the pip command that installs it, or a
+        file its install record lists that is not there (a damaged install).
     """
     if name == "stdlib":
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -180,8 +181,13 @@ def python_source_documents(name: str) -> list[str]:
     for _, path in keyed:
         try:
             documents.append(pathlib.Path(path).read_text(encoding="utf-8"))
-        except (UnicodeDecodeError, FileNotFoundError):
+        except UnicodeDecodeError:
             continue
+        except FileNotFoundError:
+            raise MissingCorpusError(
+                f"{path} of the source corpus {name!r} is missing; reinstall it with: pip install "
+                f"--force-reinstall --no-deps {name}"
+            ) from None
     if not documents:
         raise MissingCorpusError(f"No .py files found for the source corpus {name!r}.")
     return documents

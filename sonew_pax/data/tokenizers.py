@@ -30,7 +30,9 @@ class Tokenizer(Protocol):
     pad_id: int
     eos_id: int
 
-    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]: ...
+    def encode_many(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Returns :meth:`encode` of every text."""
+        ...
 
     def encode(self, text: str) -> np.ndarray:
         """Returns the int32 token ids of `text` (no EOS appended)."""

@@ -158,14 +158,13 @@ def _leaf_step(
     and of ``u`` as ``(4, 1)`` (``chain.norm_pairs``): the kernels' per-tile pairs with one tile,
     which :func:`_graft_ratios` merges with every other tensor's.
     """
-    raw = Raw(g.astype(d.dtype), m, d)  # d's dtype (stats_dtype) is the arithmetic's
+    raw = _raw(g, m, d)
     if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
         # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new, e, None
     band = _band(e)
-    hyper = _damped(raw, corrections, hyper, layout)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     return step.u, step.m.astype(m.dtype), step.d, e_new, grafting
@@ -188,27 +187,29 @@ def _leaf_steps(
     ``kernels.Apply``, writing the parameters in ``u``'s
     place), where the tensors of one ``kernels.launch_key`` share launches
     (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
-    for the others."""
+    for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`)."""
     grads, m, d, e, _, layouts = leaves
+    hypers = [
+        _damped(_raw(g, m[k], d[k]), corrections, hyper, lay) if _has_chain(lay, hyper) else hyper
+        for k, (g, lay) in enumerate(zip(grads, layouts, strict=True))
+    ]
     steps: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
-            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hyper, lay, edges[k])
+            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k])
     for (shape, band, *_), members in groups.items():
         # A relative damping is a number of its own per tensor: the tensors launch one at a time.
         relative = hyper.damping != "absolute"
         size = 1 if relative else pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
             part = members[start : start + size]
-            k = part[0]
-            raw = Raw(grads[k].astype(d[k].dtype), m[k], d[k])
             results = pallas.group_update(
                 *([x[k] for k in part] for x in (grads, m, d, e)),
                 corrections,
-                _damped(raw, corrections, hyper, layouts[k]) if relative else hyper,
+                hypers[part[0]],
                 interpret=_interpret(),
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
@@ -218,6 +219,12 @@ def _leaf_steps(
             for k, result in zip(part, results, strict=True):
                 steps[k] = result
     return steps
+
+
+def _raw(g: jax.Array, m: jax.Array, d: jax.Array) -> Raw:
+    """A tensor's gradient and state as the step reads them: ``g`` in ``d``'s dtype (stats_dtype
+    is the arithmetic's)."""
+    return Raw(g.astype(d.dtype), m, d)
 
 
 def _interpret() -> bool:
@@ -333,7 +340,7 @@ def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> 
     """The ``m`` and ``d`` whose edges the XLA band-1 step takes: the new moments (the step
     computes them again, and XLA computes them once), so that no edge reads an old ``m`` or ``d``
     that the step overwrites in place."""
-    return pointwise.moments(Raw(g.astype(d.dtype), m, d), hyper)
+    return pointwise.moments(_raw(g, m, d), hyper)
 
 
 # Tensors whose graft ratios one reduction computes. The ratios are then written to one scalar
