@@ -81,28 +81,54 @@ def _tridiagonal_step(
 ) -> Step:
     """Band 1 on XLA, on a whole tensor or a shard's block: :mod:`pointwise` on the chain shifts
     by one, the rows beyond the block from its ``edge`` (exchanged with those of every other
-    tensor, ``_edges``), which holds the *new* moments (:func:`_xla_edge_inputs`). The new
-    moments and edge statistics first, then their shifts, so no fusion reads an old ``m`` or
-    ``d`` after the new ones are written: XLA updates them in place (``e``, whose new statistic
-    reads its old neighbour, it copies)."""
+    tensor, ``_edges``), which holds the *new* moments (:func:`_xla_edge_inputs`).
+
+    Two passes over the tensor, split by ``_materialized``: the new state ``(m, d, e)``, where
+    every element reads only its own old values (and ``g`` at ``j + 1``), so XLA writes it in
+    place; then ``u`` and the grafting norms from the new state at ``j - 1 .. j + 1``. Left to
+    itself, XLA fuses the state's update into the consumers of its shifts, recomputing it per
+    neighbour and copying each old array that a fusion reads at an offset after it is
+    overwritten."""
     pre, post = _edge_rows(edge, 1, raw.g.shape)
+    # The edges hold old boundary rows of the state: the new state (written in place) waits
+    # for both, not only for ``post``, which it reads.
+    pre, post = _materialized((pre, post))
+    g_after = _successors(raw.g, post[0, 0])
     m, d = pointwise.moments(raw, hyper)
-    m_pre, d_pre = pre[1:3, 0]
-    m_post, d_post = post[1:3, 0]
-    here = [raw.g, m, d]
-    after = [
-        jnp.concatenate([x[1:], y[None]])
-        for x, y in zip(here, (post[0, 0], m_post, d_post), strict=True)
-    ]
-    e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, after[0], hyper)
+    # In the stored layout (1, *shape): the new e of a reshaped result is copied, not in place.
+    e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g[None], g_after[None], hyper)
+    m, d, e_new = _materialized((m, d, e_new))
+    e_here = e_new[0]
     e_pre = pointwise.edge_statistic(pre[3, 0], pre[0, 0], raw.g[0], hyper)
+    here = [raw.g, m, d]
+    after = [g_after] + [
+        jnp.concatenate([x[1:], y[None]]) for x, y in zip((m, d), post[1:3, 0], strict=True)
+    ]
     before = [
         jnp.concatenate([y[None], x[:-1]])
-        for x, y in zip([*here, e_here], (pre[0, 0], m_pre, d_pre, e_pre), strict=True)
+        for x, y in zip([*here, e_here], (pre[0, 0], *pre[1:3, 0], e_pre), strict=True)
     ]
     v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before[:3], here, after)]
     u = pointwise.tridiagonal_direction(*v, e_here, before[3], corrections, hyper)
-    return Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_here)
+    return Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
+
+
+def _successors(x: jax.Array, last: jax.Array) -> jax.Array:
+    """``x`` shifted up one row along axis 0, ``last`` its new last row, as a sum of two pads.
+
+    The same values as a ``concatenate``, which XLA's GPU compiler hoists to the root of the fusion
+    that updates ``e`` and then emits operand by operand, at about half the bandwidth of a loop.
+    """
+    rest = ((0, 0),) * (x.ndim - 1)
+    return jnp.pad(x[1:], ((0, 1), *rest)) + jnp.pad(last[None], ((x.shape[0] - 1, 0), *rest))
+
+
+def _materialized(arrays: Any) -> Any:
+    """``arrays`` (a pytree), computed whole before anything reads them: a pass boundary for XLA
+    (``lax.optimization_barrier``, which XLA's GPU compiler keeps through fusion; its CPU
+    compiler drops it first), so later fusions read them from memory, at any offset, instead of
+    fusing and recomputing what produced them."""
+    return jax.lax.optimization_barrier(arrays)
 
 
 def _banded_step(
