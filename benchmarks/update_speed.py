@@ -27,10 +27,17 @@ least one kernel ran, which is ``busy_ms`` when the kernels run one at a time an
 overlap (``--concurrent``: every row's update compiled with ``kernels.CONCURRENT_OPTIONS``; the
 JSON's config records it).
 
+Each update is compiled ahead of the timing (``compile_update``): ``compile_s`` (its part of a
+first step; ``compile_ratio_vs_adamw``), its launches (``fusions``, ``custom_calls``, ``copies``,
+``kernels``: ``common.launch_counts``) and ``temp_bytes_per_param``, XLA's temporaries per
+parameter (what one pass writes for a later one to read, such as the XLA path's ``u``).
+
 Output: a table, and ``--out`` (default ``benchmarks/results/update_speed.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "ms", "ratio_vs_adamw", "gbps",
 "floor_ratio", "bytes_per_param", "ms_min", "pipelined_ms", "pipelined_ratio_vs_adamw",
-"dispatch_ms", "busy_ms", "busy_ratio_vs_adamw", "span_ms", "span_ratio_vs_adamw"}]}`` (the
+"dispatch_ms", "busy_ms", "busy_ratio_vs_adamw", "span_ms", "span_ratio_vs_adamw", "compile_s",
+"compile_ratio_vs_adamw", "fusions", "custom_calls", "copies", "kernels",
+"temp_bytes_per_param"}]}`` (the
 pipelined pair and ``dispatch_ms`` null for ``copy``, the busy and span pairs also without
 ``--profile_steps``).
 
@@ -42,6 +49,8 @@ Usage: ``python -m benchmarks.update_speed [--scale 1] [--layers 24] [--iters 50
 """
 
 import argparse
+import time
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -64,6 +73,11 @@ COLUMNS = (
     "busy_ratio_vs_adamw",
     "span_ms",
     "span_ratio_vs_adamw",
+    "compile_s",
+    "compile_ratio_vs_adamw",
+    "kernels",
+    "copies",
+    "temp_bytes_per_param",
 )
 
 
@@ -90,6 +104,22 @@ class Timing(NamedTuple):
     dispatch_ms: float | None = None
     busy_ms: float | None = None
     span_ms: float | None = None
+    program: dict | None = None
+
+
+def compile_update(update, carry, grads) -> tuple[Callable, dict]:
+    """``update`` compiled for ``(*carry, grads)`` and what its program asks: ``compile_s``
+    (lowering and compiling, the update's part of a first step), its launches
+    (``common.launch_counts``: fusions, custom calls, copies) and ``temp_bytes`` (XLA's
+    temporaries beyond the donated inputs and the outputs: the arrays a pass writes for a later
+    one to read)."""
+    start = time.perf_counter()
+    compiled = update.lower(*carry, grads).compile()
+    seconds = time.perf_counter() - start
+    memory = compiled.memory_analysis()
+    temp = getattr(memory, "temp_size_in_bytes", None) if memory is not None else None
+    program = {"compile_s": seconds, **common.launch_counts(compiled.as_text()), "temp_bytes": temp}
+    return compiled, program
 
 
 def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
@@ -97,6 +127,7 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     traces that many more steps for the device's kernel time and span."""
     moved = floor_bytes(shapes, jax.eval_shape(tx.init, shapes))
     update, carry = updates.fresh_update(tx, shapes, common.jit_for(args))
+    update, program = compile_update(update, carry, grads)
 
     def step(c):
         return update(*c, grads)
@@ -108,7 +139,7 @@ def time_optimizer(tx, shapes, grads, args, profile_steps: int = 0) -> Timing:
     if profile_steps:
         summary = device_trace.trace_steps(step, carry, profile_steps)[0]
         busy, span = summary["busy_ms"], summary["span_ms"]
-    return Timing(median, min(times), moved, pipelined, dispatch, busy, span)
+    return Timing(median, min(times), moved, pipelined, dispatch, busy, span, program)
 
 
 def time_copy(total_bytes: int, args, chunk: int = 1 << 26) -> tuple[float, float]:
@@ -137,8 +168,19 @@ def make_row(name: str, timing: Timing, n: int) -> dict:
         "dispatch_ms": timing.dispatch_ms,
         "busy_ms": timing.busy_ms,
         "span_ms": timing.span_ms,
+        **program_columns(timing.program, n),
         "_bytes": timing.bytes,
     }
+
+
+def program_columns(program: dict | None, n: int) -> dict:
+    """A row's compiled-program columns (:func:`compile_update`; none for the copy), the
+    temporaries per parameter."""
+    if program is None:
+        return {}
+    temp = program["temp_bytes"]
+    columns = {k: v for k, v in program.items() if k != "temp_bytes"}
+    return {**columns, "temp_bytes_per_param": None if temp is None else temp / n}
 
 
 def add_ratios(rows: list[dict]) -> list[dict]:
@@ -152,8 +194,9 @@ def add_ratios(rows: list[dict]) -> list[dict]:
         moved = row.pop("_bytes")
         row["ratio_vs_adamw"] = row["ms"] / adamw["ms"] if adamw else None
         row["floor_ratio"] = row["ms"] / (moved / copy_gbps / 1e6)
-        for key in ("pipelined", "busy", "span"):
-            pair = (row[f"{key}_ms"], adamw and adamw[f"{key}_ms"])
+        for key in ("pipelined", "busy", "span", "compile"):
+            unit = "s" if key == "compile" else "ms"
+            pair = (row.get(f"{key}_{unit}"), adamw and adamw[f"{key}_{unit}"])
             row[f"{key}_ratio_vs_adamw"] = pair[0] / pair[1] if all(pair) else None
         out.append(row)
     return out

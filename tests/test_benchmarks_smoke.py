@@ -167,6 +167,14 @@ def test_update_speed_schema(tmp_path, monkeypatch):
     assert rows["adamw"]["ratio_vs_adamw"] == 1.0
     assert abs(rows["adamw"]["bytes_per_param"] - 28) < 0.01
     assert abs(rows["sonew_tridiag"]["bytes_per_param"] - 36) < 0.1
+    # The compiled program's columns: the copy has none; AdamW is one pass per tensor, while
+    # SONew's XLA step keeps its direction u between the norms and the apply (4 B/param).
+    assert "compile_s" not in rows["copy"]
+    assert rows["adamw"]["compile_ratio_vs_adamw"] == 1.0
+    for name in ("adamw", "sonew_tridiag"):
+        assert rows[name]["compile_s"] > 0 and rows[name]["kernels"] >= rows[name]["fusions"] > 0
+    assert rows["adamw"]["temp_bytes_per_param"] < 1
+    assert rows["sonew_tridiag"]["temp_bytes_per_param"] >= 4
 
 
 def test_kernel_speed_schema(tmp_path):
