@@ -50,7 +50,9 @@ faint; and the best runs vs seconds of training steps). ``ms_per_step`` excludes
 Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` for CPU;
 ``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--seeds 0,1,2`` runs every setting
 from each seed (one process, one compiled step per optimizer); ``--merge A.json B.json`` merges
-results of other seeds; ``--plot_only`` redraws the PNG and markdown from an existing JSON.
+results of other seeds; ``--processes N`` runs the sweep in N processes at once, one per GPU
+(each a share of the run order, ``--shard k/N``), and combines their runs; ``--plot_only`` redraws
+the PNG and markdown from an existing JSON.
 """
 
 import argparse
@@ -59,6 +61,9 @@ import dataclasses
 import functools
 import json
 import math
+import os
+import subprocess
+import sys
 import textwrap
 import time
 from pathlib import Path
@@ -845,6 +850,73 @@ def merge_results(results: list[dict]) -> dict:
     }
 
 
+def combine_shards(results: list[dict]) -> dict:
+    """One result from the shards of one sweep (``--shard``: the same config, each a share of
+    its settings): all their runs, summarised together. Raises ValueError when the configs
+    differ or a setting ran twice."""
+    config = results[0]["config"]
+    for result in results[1:]:
+        differs = [k for k in config if k != "eval_tokens" and result["config"].get(k) != config[k]]
+        if differs:
+            raise ValueError(f"cannot combine shards: config {differs} differs")
+    runs = [run for result in results for run in result["runs"]]
+    keys = [(*run_key(run), run.get("seed")) for run in runs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("cannot combine shards: a setting ran in two of them")
+    eps = {CANDIDATE: np.atleast_1d(config["hyperparameters"][CANDIDATE]["eps"]).tolist()}
+    return {
+        **results[0],
+        "date": max(r["date"] for r in results),
+        "rows": summary_rows(runs, config["learning_rates"], eps, seeds_of(config)),
+        "runs": runs,
+    }
+
+
+def run_processes(argv: list[str], args: argparse.Namespace) -> dict:
+    """``--processes N``: this script with ``--shard k/N`` in N child processes at once, child
+    ``k`` on the k-th visible GPU, each writing ``<out>.shard<k>.json``; then their runs
+    combined (:func:`combine_shards`) into ``--out``. The children's step times are each
+    measured on their own GPU, alone on it. Raises RuntimeError naming a child that failed."""
+    n = args.processes
+    forwarded = _without_flag(argv, "--processes")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(k) for k in range(n)]
+    if len(gpus) < n:
+        raise ValueError(f"--processes {n}: CUDA_VISIBLE_DEVICES={visible} names fewer GPUs")
+    shards = [args.out.with_suffix(f".shard{k}.json") for k in range(n)]
+    command = [*common.module_command("lm_convergence"), *forwarded]
+    children = [
+        subprocess.Popen(
+            [*command, "--shard", f"{k}/{n}", "--out", str(path)],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[k]},
+        )
+        for k, path in enumerate(shards)
+    ]
+    failed = [k for k, child in enumerate(children) if child.wait() != 0]
+    if failed:
+        raise RuntimeError(f"lm_convergence shards {failed} of {n} failed (their output above)")
+    result = combine_shards([json.loads(path.read_text()) for path in shards])
+    write_outputs(result, args.out)
+    for path in shards:
+        for suffix in (".json", ".md", ".png"):
+            path.with_suffix(suffix).unlink(missing_ok=True)
+    print(common.format_table(result["rows"], ROW_COLUMNS), flush=True)
+    return result
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == flag:
+            skip = True
+        elif not item.startswith(f"{flag}="):
+            out.append(item)
+    return out
+
+
 def write_outputs(result: dict, out: Path) -> None:
     """JSON, markdown and plot, each rewritten atomically."""
     common.write_json(out, result)
@@ -890,6 +962,17 @@ def _vocab_size(text: str) -> int:
     if value < 0 or value == 1:
         raise argparse.ArgumentTypeError(f"expected 0 (bytes) or a size >= 2, got {text!r}")
     return value
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """``--shard``: ``K/N`` with ``0 <= K < N``."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, got {text!r}")
+    return k, n
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -973,6 +1056,21 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="redraw the PNG and markdown from --out, run nothing",
     )
     p.add_argument(
+        "--processes",
+        type=common.int_at_least(1),
+        default=1,
+        help="run the settings in this many processes at once, process k on GPU k "
+        "(CUDA_VISIBLE_DEVICES), each its share of the run order; their runs are then combined "
+        "into --out",
+    )
+    p.add_argument(
+        "--shard",
+        type=_shard,
+        default=None,
+        help="K/N: run only every N-th setting of the run order from the K-th (what "
+        "--processes gives each of its processes)",
+    )
+    p.add_argument(
         "--merge",
         nargs="+",
         metavar="JSON",
@@ -985,7 +1083,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict:
     """Runs every (optimizer, lr[, eps]) in this process, writing the outputs after each;
     returns them."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.processes > 1:
+        return run_processes(argv, args)
     if args.plot_only or args.merge:
         paths = args.merge or [args.out]
         results = [json.loads(Path(path).read_text()) for path in paths]
@@ -1016,6 +1117,9 @@ def main(argv=None) -> dict:
     )
     runs, result = [], None
     order = [(*setting, seed) for setting in run_order(lrs, eps) for seed in args.seeds]
+    if args.shard is not None:
+        k, n = args.shard
+        order = order[k::n]
     for name, lr, run_eps, seed in order:
         print(f"{run_name(name, lr, run_eps, seed)} (run {len(runs) + 1}/{len(order)})", flush=True)
         run = train_run(runners[name], lr, train[seed], held_out, args, run_eps, seed)

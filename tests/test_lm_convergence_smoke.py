@@ -263,3 +263,38 @@ def test_sentencepiece_vocabulary_binds_the_model(tmp_path):
     assert lm_convergence.model_config(args).vocab_size == 512
     assert lm_convergence.model_config(lm_convergence.parse_args(argv)).vocab_size == 256
     assert "(vocab 512) tokens" in out.with_suffix(".md").read_text()
+
+
+def test_processes_split_the_sweep_and_combine_to_the_same_runs(tmp_path):
+    """--processes 2 runs each setting once, in one of two child processes, and combines them
+    into what one process gives (CPU: the same numbers)."""
+    argv = [*ARGV[: ARGV.index("--lrs_adamw")], "--lrs_adamw", "1e-3", "--lrs_adafactor", "1e-3"]
+    argv += ["--lrs_sonew", "1e-3,3e-3", "--sonew_eps", "1e-8"]
+    one = lm_convergence.main([*argv, "--out", str(tmp_path / "one.json")])
+    out = tmp_path / "two.json"
+    two = lm_convergence.main([*argv, "--processes", "2", "--out", str(out)])
+    assert json.loads(out.read_text()) == json.loads(json.dumps(two))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{name}.{suffix}" for name in ("one", "two") for suffix in ("json", "md", "png")
+    )  # the shards' files are gone
+    by_key = {lm_convergence.run_key(r): r["curve"] for r in one["runs"]}
+    assert len(two["runs"]) == len(by_key) == 4
+    assert {lm_convergence.run_key(r): r["curve"] for r in two["runs"]} == by_key
+    strip = ("ms_per_step", "seconds_ratio_vs_adamw")
+    assert [{k: v for k, v in row.items() if k not in strip} for row in two["rows"]] == [
+        {k: v for k, v in row.items() if k not in strip} for row in one["rows"]
+    ]
+
+
+def test_combine_shards_refuses_other_configs_and_repeats():
+    run = {"optimizer": "adamw", "learning_rate": 1e-3, "eps": None, "seed": 0}
+    config = {"steps": 20, "seeds": [0], "learning_rates": {}, "eval_tokens": 5}
+    config["hyperparameters"] = {"sonew_tridiag": {"eps": 1e-9}}
+    shard = {"date": "d", "config": config, "runs": [run]}
+    with pytest.raises(ValueError, match="ran in two"):
+        lm_convergence.combine_shards([shard, shard])
+    other = {**shard, "config": {**config, "steps": 40}, "runs": []}
+    with pytest.raises(ValueError, match=r"\['steps'\] differs"):
+        lm_convergence.combine_shards([shard, other])
+    with pytest.raises(SystemExit):
+        lm_convergence.parse_args(["--shard", "2/2"])
