@@ -5,6 +5,7 @@ import importlib.util
 import json
 import pathlib
 import time
+import tomllib
 
 import gin
 import numpy as np
@@ -29,6 +30,8 @@ from sonew_pax.data import (
 )
 
 KEYS = ("inputs", "targets", "weights")
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 def assert_batches_equal(a, b):
@@ -364,6 +367,31 @@ def test_python_source_documents():
     assert corpus.CODE_SOURCES[0] == "stdlib"
     with pytest.raises(MissingCorpusError, match="pip install --no-deps no-such-dist"):
         sources.load_documents("python:no-such-dist")
+
+
+def test_python_code_pins_agree_with_the_corpus_extra():
+    """pyproject.toml's ``corpus`` extra installs exactly the versions ``python_code`` reads."""
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pinned = dict(requirement.split("==") for requirement in extra["corpus"])
+    assert pinned == corpus.CODE_PINS
+
+
+def test_python_source_at_another_version_names_the_pin(tmp_path, monkeypatch):
+    """Another installed version is another text: an error naming both versions and the pip
+    command, not a silently different corpus."""
+    (tmp_path / "a.py").write_text("x = 1\n")
+
+    class Other:
+        version = "0.1"
+        files = (pathlib.PurePosixPath("a.py"),)
+
+        def locate_file(self, path):
+            return tmp_path / path
+
+    monkeypatch.setattr(corpus.importlib.metadata, "distribution", lambda name: Other())
+    assert corpus.python_source_documents("lib") == ["x = 1\n"]  # unpinned: any version
+    with pytest.raises(MissingCorpusError, match=r"pinned to 2\.0.*0\.1.*lib==2\.0"):
+        corpus.python_source_documents("lib", "2.0")
 
 
 def test_python_source_with_a_missing_file_names_it(tmp_path, monkeypatch):

