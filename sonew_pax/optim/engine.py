@@ -78,18 +78,17 @@ def _edge_rows(edge: pallas.Edges, band: int, shape: tuple[int, ...]) -> tuple:
 
 def _tridiagonal_step(
     raw: Raw, e: jax.Array, edge: pallas.Edges, corrections, hyper: Hyper
-) -> tuple[Step, jax.Array | None]:
+) -> Step:
     """Band 1 on XLA, on a whole tensor or a shard's block: :mod:`pointwise` on the chain shifts
     by one, the rows beyond the block from its ``edge`` (exchanged with those of every other
     tensor, ``_edges``), which holds the *new* moments (:func:`_xla_edge_inputs`).
 
     Two passes over the tensor, split by ``_materialized``: the new state ``(m, d, e)``, where
     every element reads only its own old values (and ``g`` at ``j + 1``), so XLA writes it in
-    place, with the norm pair of Adam's direction (which reads them at ``j`` only); then ``u``
-    and its norm pair from the new state at ``j - 1 .. j + 1``. Left to itself, XLA fuses the
-    state's update into the consumers of its shifts, recomputing it per neighbour and copying
-    each old array that a fusion reads at an offset after it is overwritten. Returns the step
-    and the local grafting norm pairs (``chain.norm_pairs``; ``None`` without grafting)."""
+    place; then ``u`` and the grafting norms from the new state at ``j - 1 .. j + 1``. Left to
+    itself, XLA fuses the state's update into the consumers of its shifts, recomputing it per
+    neighbour and copying each old array that a fusion reads at an offset after it is
+    overwritten."""
     pre, post = _edge_rows(edge, 1, raw.g.shape)
     # The edges hold old boundary rows of the state: the new state (written in place) waits
     # for both, not only for ``post``, which it reads.
@@ -98,9 +97,7 @@ def _tridiagonal_step(
     m, d = pointwise.moments(raw, hyper)
     # In the stored layout (1, *shape): the new e of a reshaped result is copied, not in place.
     e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g[None], g_after[None], hyper)
-    adam = pointwise.adam_direction(m, d, corrections, hyper)
-    adam_pair = norm_pairs([adam]) if hyper.graft == "adam" else None
-    m, d, e_new, adam_pair = _materialized((m, d, e_new, adam_pair))
+    m, d, e_new = _materialized((m, d, e_new))
     e_here = e_new[0]
     e_pre = pointwise.edge_statistic(pre[3, 0], pre[0, 0], raw.g[0], hyper)
     here = [raw.g, m, d]
@@ -113,8 +110,7 @@ def _tridiagonal_step(
     ]
     v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before[:3], here, after)]
     u = pointwise.tridiagonal_direction(*v, e_here, before[3], corrections, hyper)
-    grafting = None if adam_pair is None else jnp.concatenate([adam_pair, norm_pairs([u])])
-    return Step(adam, u, m, d, e_new), grafting
+    return Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
 
 
 def _successors(x: jax.Array, last: jax.Array) -> jax.Array:
@@ -145,14 +141,13 @@ def _banded_step(
     edge: pallas.Edges | None,
 ) -> tuple[Step, jax.Array | None]:
     """The XLA path: :mod:`pointwise` elementwise for band 0 and on the shifts by one for band 1
-    (:func:`_tridiagonal_step`, two passes), the generic banded solve (``solve.precondition``)
-    for wider bands; the local grafting norm pairs (``chain.norm_pairs``; one reduction for
-    both norms but band 1's, whose passes take one each)."""
+    (:func:`_tridiagonal_step`), the generic banded solve (``solve.precondition``) for wider
+    bands; the local grafting norm pairs in one reduction (``chain.norm_pairs``)."""
     bc1, bc2 = corrections
-    if band == 1:
-        return _tridiagonal_step(raw, e, edge, corrections, hyper)
     if band == 0:
         step = pointwise.diagonal_step(raw, corrections, hyper)
+    elif band == 1:
+        step = _tridiagonal_step(raw, e, edge, corrections, hyper)
     else:
         m, d = pointwise.moments(raw, hyper)
         successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
