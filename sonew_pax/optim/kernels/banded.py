@@ -13,7 +13,14 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise, solve
 from sonew_pax.optim.fma import madd
 from sonew_pax.optim.kernels.geometry import chunk_rows, tile_view
-from sonew_pax.optim.kernels.program import numbers, output, running_pair, scale_floor, write_parts
+from sonew_pax.optim.kernels.program import (
+    StepRefs,
+    numbers,
+    output,
+    running_pair,
+    scale_floor,
+    write_parts,
+)
 
 
 def banded_kernel(
@@ -62,11 +69,10 @@ def banded_kernel(
     Rows are read once per walk (the ``3b - 1`` rows around a chunk by two walks), every vertex
     and window solved once. The state is updated in place; the walk reads the state of other
     chunks' rows from the halo copies (:func:`band_halo_rows`), taken before the step. With
-    ``apply`` (:class:`Apply`) the kernel reads ``p_ref`` at row ``i`` and writes the new
-    parameters there (in place) instead of ``u``.
+    ``apply`` (:class:`Apply`) the kernel reads the parameters (``StepRefs.p``) at row ``i`` and
+    writes the new ones there (in place) instead of ``u``.
     """
-    p_ref, ratio_ref = refs[:2] if apply else (None, None)
-    out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
+    named = StepRefs.of(refs, apply)
     b = band
     num_rows, num_cols = tile_view(shape)
     size = num_rows * num_cols
@@ -155,7 +161,7 @@ def banded_kernel(
         # row t is computed (as the band-1 scan's ``ahead``).
         (raw, e_olds), loaded = loaded, loader(t + 1)
         v = pointwise.vertex(raw, corrections, hyper)
-        for ref, x in ((m_out, v.m), (d_out, v.d)):
+        for ref, x in ((named.m, v.m), (named.d, v.d)):
             write(ref, t * num_cols + c, x, mine(t))
         adam = pointwise.adam_direction(v.m, v.d, corrections, hyper)
         # rho_q[n][k - 1]: rho_k of position t - 2b + 1 + n (queued positions t - 2b + 1 ... t - 1).
@@ -164,7 +170,7 @@ def banded_kernel(
             a = pointwise.Vertex(g_q[-dist], zero, zero, s_q[-dist], zero)
             e_new, rho = pointwise.correlation(e_olds[dist - 1], a, v, corrections, hyper)
             at = (dist - 1) * size + (t - dist) * num_cols + c
-            write(e_out, at, e_new, mine(t - dist))
+            write(named.e, at, e_new, mine(t - dist))
             rho_q[-dist][dist - 1] = rho
 
         def window(n):
@@ -190,8 +196,8 @@ def banded_kernel(
         # acc_q[n]: sum_p L_{i+n, i+n-1-p} z_{i+n-1-p} over the vertices factored so far.
         u = s_q[0] * (acc_q[0] + z)
         at_i = vertex_i * num_cols + c
-        p_i = None if p_ref is None else read(p_ref, at_i, mine(vertex_i))
-        write(out_ref, at_i, output(scalars_ref, ratio_ref, u, p_i, decayed), mine(vertex_i))
+        p_i = None if named.p is None else read(named.p, at_i, mine(vertex_i))
+        write(named.out, at_i, output(scalars_ref, named.ratio, u, p_i, decayed), mine(vertex_i))
         pairs = tuple(
             running_pair(pair, x, mine(r))
             for pair, x, r in zip(pairs, (adam, u), (t, vertex_i), strict=True)
@@ -232,4 +238,4 @@ def banded_kernel(
     *_, pairs = jax.lax.fori_loop(
         jnp.maximum(inner, last), end, functools.partial(body, load), carry
     )
-    write_parts(parts_ref, i, j, pairs)
+    write_parts(named.parts, i, j, pairs)

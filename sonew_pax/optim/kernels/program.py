@@ -35,6 +35,26 @@ class Apply(NamedTuple):
     decayed: bool
 
 
+class StepRefs(NamedTuple):
+    """The refs a band >= 1 step kernel takes after its named inputs: with the fused apply
+    (:class:`Apply`) the parameters and their graft ratio (else ``None``), then its outputs:
+    ``u``'s place (the new parameters with the apply), the new ``m``, ``d`` and ``e``, and the
+    tiles' norm pairs."""
+
+    p: Any
+    ratio: Any
+    out: Any
+    m: Any
+    d: Any
+    e: Any
+    parts: Any
+
+    @classmethod
+    def of(cls, refs: tuple, apply: bool) -> StepRefs:
+        """The named refs of ``refs``, the kernel's trailing positional refs."""
+        return cls(*refs) if apply else cls(None, None, *refs)
+
+
 def numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
     """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input."""
     values = {name: scalars_ref[k] for k, name in enumerate(SCALARS)}

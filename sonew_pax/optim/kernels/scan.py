@@ -11,7 +11,14 @@ from jax.experimental.pallas import triton as plgpu
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.kernels.geometry import chunk_rows, tile_view
 from sonew_pax.optim.kernels.halo import across_chunks
-from sonew_pax.optim.kernels.program import numbers, output, running_pair, scale_floor, write_parts
+from sonew_pax.optim.kernels.program import (
+    StepRefs,
+    numbers,
+    output,
+    running_pair,
+    scale_floor,
+    write_parts,
+)
 
 
 def scan_kernel(
@@ -51,11 +58,10 @@ def scan_kernel(
     ``w`` row loads). Rows up to ``r + ahead + 1`` are loaded while row ``r`` is computed, so the
     walk does not wait on each row's load. After the barrier a lane writes only
     rows it has read (``stack x cols`` must cover the warps' lanes: no lane's element is
-    another's). With ``apply`` (:class:`Apply`) ``p_ref`` is read with the other arrays and
-    ``out_ref`` takes the new parameters, else ``u``.
+    another's). With ``apply`` (:class:`Apply`) the parameters (``StepRefs.p``) are read with
+    the other arrays and ``StepRefs.out`` takes the new parameters, else ``u``.
     """
-    p_ref, ratio_ref = refs[:2] if apply else (None, None)
-    out_ref, m_out, d_out, e_out, parts_ref = refs[2:] if apply else refs
+    named = StepRefs.of(refs, apply)
     num_rows, num_cols = tile_view(shape)
     i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
@@ -81,7 +87,7 @@ def scan_kernel(
         zeros past the walk's last row."""
         at, mask = r * num_cols + c, in_cols & (r <= last)
         raw = pointwise.Raw(read(g_ref, at, mask), read(m_ref, at, mask), read(d_ref, at, mask))
-        p = None if p_ref is None else read(p_ref, at, mask)
+        p = None if named.p is None else read(named.p, at, mask)
         return raw, read(e_ref, at, mask), p
 
     def neighbour(r, outer, at, halo, edge, slot) -> Callable:
@@ -141,8 +147,8 @@ def scan_kernel(
         u = here.scale * (z + above[0] * above[1])  # tridiagonal_step's expression
         adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
         at = r * num_cols + c
-        out = output(scalars_ref, ratio_ref, u, p_here, decayed)
-        for ref, x in ((out_ref, out), (m_out, here.m), (d_out, here.d), (e_out, e_new)):
+        out = output(scalars_ref, named.ratio, u, p_here, decayed)
+        for ref, x in ((named.out, out), (named.m, here.m), (named.d, here.d), (named.e, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         pairs = tuple(running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
         return after, e_next, p_next, (lower, z), queue, pairs
@@ -150,4 +156,4 @@ def scan_kernel(
     floor = jnp.full((stack, cols), scale_floor(compute), compute)
     init = (here, e_first, p_first, (lower, z), queue, ((floor, zero),) * 2)
     *_, pairs = jax.lax.fori_loop(0, rows // stack, body, init)
-    write_parts(parts_ref, i, j, pairs)
+    write_parts(named.parts, i, j, pairs)
