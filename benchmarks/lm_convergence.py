@@ -26,9 +26,10 @@ Protocol:
 * One compiled train step per optimizer: the peak learning rate (and SONew's eps) lives in the
   optimizer state (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
 * Held-out loss every ``--eval_every`` steps (and at step 0 and at the end) on the first
-  ``--eval_batches`` held-out batches. With several seeds, each (optimizer, lr, eps) is judged by
-  its eval curve averaged over the seeds (`mean_over_seeds`). Best run per optimizer: lowest
-  final held-out loss.
+  ``--eval_batches`` held-out batches. Best setting per optimizer: lowest final held-out loss,
+  averaged over the seeds every setting has run (`sweep_seeds`); it is then reported with its
+  curves averaged over all the seeds it has run (the best rates may be re-run from more seeds
+  and merged in, `merge_results`).
 * Metric: the first step at which SONew's (mean) eval curve reaches AdamW's final held-out loss
   (linear interpolation between evaluations), and its ratio to the same quantity for AdamW; also
   per seed, for the same learning rates.
@@ -50,9 +51,9 @@ faint; and the best runs vs seconds of training steps). ``ms_per_step`` excludes
 Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` for CPU;
 ``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--seeds 0,1,2`` runs every setting
 from each seed (one process, one compiled step per optimizer); ``--merge A.json B.json`` merges
-results of other seeds; ``--processes N`` runs the sweep in N processes at once, one per GPU
-(each a share of the run order, ``--shard k/N``), and combines their runs; ``--plot_only`` redraws
-the PNG and markdown from an existing JSON.
+results of other seeds or more settings; ``--processes N`` runs the sweep in N processes at once,
+one per GPU (each a share of the run order, ``--shard k/N``), and merges their runs;
+``--plot_only`` redraws the PNG and markdown from an existing JSON.
 """
 
 import argparse
@@ -552,27 +553,58 @@ def best_runs(runs: list[dict]) -> dict[str, dict]:
     return best
 
 
+def sweep_seeds(runs: list[dict], seeds: list[int]) -> list[int]:
+    """The seeds of ``seeds`` that every setting (`run_key`) of ``runs`` has run: those the
+    settings are compared on. A sweep runs every setting from the first seed; the best settings
+    may then be re-run from more (``--seeds 1`` with their rates, merged with ``--merge``)."""
+    have: dict[tuple, set] = {}
+    for run in runs:
+        have.setdefault(run_key(run), set()).add(run.get("seed", seeds[0]))
+    return [s for s in seeds if all(s in own for own in have.values())]
+
+
+def seeds_run(runs: list[dict], key: tuple, seeds: list[int]) -> list[int]:
+    """The seeds of ``seeds`` that setting ``key`` has run."""
+    own = {run.get("seed", seeds[0]) for run in runs if run_key(run) == key}
+    return [s for s in seeds if s in own]
+
+
+def averaged_runs(runs: list[dict], seeds: list[int]) -> list[dict]:
+    """Every setting once, its curves the mean over the seeds of ``seeds`` it has run
+    (`mean_over_seeds` per setting)."""
+    keys = list(dict.fromkeys(run_key(run) for run in runs))
+    return [
+        mean_over_seeds([r for r in runs if run_key(r) == key], seeds_run(runs, key, seeds))[0]
+        for key in keys
+    ]
+
+
 def summary_rows(
     runs: list[dict],
     lrs: dict[str, list[float]],
     eps: dict[str, list[float]] | None = None,
     seeds: list[int] | None = None,
 ) -> list[dict]:
-    """One row per optimizer: its best setting (learning rate and eps) by the mean over
-    ``seeds`` (default ``[0]``; `mean_over_seeds`) and the steps its mean curve needs to reach
-    the references' final held-out losses (AdamW's, as the metric; Adafactor's, as the paper
-    compares); ``ms_per_step`` (`step_ms`) and ``seconds_ratio_vs_adamw``, the wall-clock
-    ratio at AdamW's final loss; ``steps_ratio_vs_adamw_per_seed``: the same ratio from each
-    seed's own runs of those settings. ``eps``: the swept eps values per optimizer (SONew's)."""
+    """One row per optimizer: its best setting (learning rate and eps), chosen by the mean final
+    held-out loss over the seeds every setting has run (`sweep_seeds`), then reported with its
+    curve averaged over all the seeds it has run (``seeds``: how many); the steps that curve needs
+    to reach the references' final held-out losses (AdamW's, as the metric; Adafactor's, as the
+    paper compares), both curves averaged over the seeds both settings have run;
+    ``ms_per_step`` (`step_ms`) and ``seconds_ratio_vs_adamw``, the wall-clock ratio at AdamW's
+    final loss; ``steps_ratio_vs_adamw_per_seed``: the same ratio from each of those seeds' own
+    runs; ``lr_at_grid_edge``: the best rate is the least or greatest of the grid's rates that
+    have run (likewise eps). ``eps``: the swept eps values per optimizer (SONew's); ``seeds``:
+    all seeds (default ``[0]``)."""
     eps, seeds = eps or {}, seeds or [0]
-    best = best_runs(mean_over_seeds(runs, seeds))
-    per_seed = {s: {run_key(r): r for r in runs if r.get("seed", seeds[0]) == s} for s in seeds}
+    chosen = best_runs(mean_over_seeds(runs, sweep_seeds(runs, seeds) or seeds[:1]))
+    best = {name: run_key(run) for name, run in chosen.items()}
     times = step_ms(runs)
     rows = []
     for name in OPTIMIZERS:
-        run = best.get(name)
-        if run is None:
+        if name not in best:
             continue
+        own_seeds = seeds_run(runs, best[name], seeds)
+        (run,) = mean_over_seeds([r for r in runs if run_key(r) == best[name]], own_seeds)
         row = {
             "optimizer": name,
             "learning_rate": run["learning_rate"],
@@ -580,22 +612,49 @@ def summary_rows(
             "final_eval_loss": run["final_eval_loss"],
         }
         for ref in (BASELINE, "adafactor"):
-            row.update(_steps_vs(run, best.get(ref), ref))
+            row.update(_steps_vs_best(runs, best[name], best.get(ref), ref, seeds))
         row["ms_per_step"] = times.get(name)
         row["seconds_ratio_vs_adamw"] = _seconds_ratio(row, times.get(BASELINE))
-        row["seeds"] = len(seeds)
-        row["steps_ratio_vs_adamw_per_seed"] = [
-            _ratio_vs_baseline(own, run, best.get(BASELINE)) for own in per_seed.values()
-        ]
-        grid = sorted(lrs.get(name, []))
+        row["seeds"] = len(own_seeds)
+        row["steps_ratio_vs_adamw_per_seed"] = _ratio_per_seed(runs, best[name], best, seeds)
+        ran = [r for r in runs if r["optimizer"] == name]
+        grid = sorted(set(lrs.get(name, [])) & {r["learning_rate"] for r in ran})
         row["lr_at_grid_edge"] = bool(grid) and run["learning_rate"] in (grid[0], grid[-1])
-        eps_grid = sorted(eps.get(name) or [])
+        eps_grid = sorted(set(eps.get(name) or []) & {r.get("eps") for r in ran})
         row["eps_at_grid_edge"] = (
             run.get("eps") in (eps_grid[0], eps_grid[-1]) if len(eps_grid) > 1 else None
         )
-        row["runs_finished"] = sum(r["optimizer"] == name for r in runs)
+        row["runs_finished"] = len(ran)
         rows.append(row)
     return rows
+
+
+def _steps_vs_best(runs, key, ref_key, ref_name, seeds) -> dict:
+    """`_steps_vs` of setting ``key`` against setting ``ref_key`` (None: not run yet), each
+    curve averaged over the seeds both have run."""
+    common = [] if ref_key is None else seeds_run(runs, ref_key, seeds)
+    common = [s for s in seeds_run(runs, key, seeds) if s in common]
+    if not common:
+        return _steps_vs(None, None, ref_name)
+    mine, ref = (
+        mean_over_seeds([r for r in runs if run_key(r) == k], common)[0] for k in (key, ref_key)
+    )
+    return _steps_vs(mine, ref, ref_name)
+
+
+def _ratio_per_seed(runs, key, best, seeds) -> list[float | None]:
+    """``steps_ratio_vs_adamw`` from each seed's own runs of ``key`` and AdamW's best, for the
+    seeds both have run ([] before AdamW has run)."""
+    if BASELINE not in best:
+        return []
+    by_seed = {(run_key(r), r.get("seed", seeds[0])): r for r in runs}
+    return [
+        _steps_vs(by_seed[(key, s)], by_seed[(best[BASELINE], s)], BASELINE)[
+            f"steps_ratio_vs_{BASELINE}"
+        ]
+        for s in seeds
+        if (key, s) in by_seed and (best[BASELINE], s) in by_seed
+    ]
 
 
 def step_ms(runs: list[dict]) -> dict[str, float]:
@@ -617,19 +676,10 @@ def _seconds_ratio(row: dict, baseline_ms: float | None) -> float | None:
     return ratio * ms / baseline_ms
 
 
-def _ratio_vs_baseline(own: dict[tuple, dict], run: dict, baseline: dict | None) -> float | None:
-    """``steps_ratio_vs_adamw`` of one seed: its own runs (``own``, by `run_key`) of the
-    settings of ``run`` and of the ``baseline`` run (None: no baseline yet)."""
-    if baseline is None:
-        return None
-    ratio = _steps_vs(own[run_key(run)], own[run_key(baseline)], BASELINE)
-    return ratio[f"steps_ratio_vs_{BASELINE}"]
-
-
 def _steps_vs(run: dict, ref: dict | None, ref_name: str) -> dict:
     """``steps_to_<ref>_final`` and ``steps_ratio_vs_<ref>`` for ``run`` against ``ref``."""
     keys = (f"steps_to_{ref_name}_final", f"steps_ratio_vs_{ref_name}")
-    if ref is None:
+    if run is None or ref is None:
         return dict.fromkeys(keys)
     target = ref["final_eval_loss"]
     steps = steps_to_reach(run["curve"]["step"], run["curve"]["eval_loss"], target)
@@ -650,7 +700,7 @@ def plot(result: dict, path: Path) -> bool:
     if plt is None:
         return False
     best = {run_key(row) for row in result["rows"]}
-    runs = mean_over_seeds(result["runs"], seeds_of(result["config"]))
+    runs = averaged_runs(result["runs"], seeds_of(result["config"]))
     fig, axes = plt.subplots(1, 3, figsize=(19, 5))
     times = step_ms(result["runs"])
     for run in runs:
@@ -722,13 +772,20 @@ def _unit(result: dict) -> str:
 def _title(result: dict) -> str:
     c = result["config"]
     seeds = seeds_of(c)
-    averaged = f"mean of seeds {','.join(map(str, seeds))}, " if len(seeds) > 1 else ""
+    swept = sweep_seeds(result["runs"], seeds)
+    averaged = f"mean of seeds {_listed(seeds)}, " if len(seeds) > 1 else ""
+    if swept != seeds:
+        averaged = f"sweep from seed {_listed(swept)}, best settings over seeds {_listed(seeds)}, "
     return (
         f"{c['model']} model ({result['params'] / 1e6:.1f}M params, {c['tokenizer']} tokens), "
         f"{c.get('source', 'shakespeare')}, {averaged}"
         f"{c['steps']} steps x {c['batch_size']}x{c['seq_len']} tokens, "
         f"{result['device']}, {result['date']}"
     )
+
+
+def _listed(seeds: list[int]) -> str:
+    return ",".join(map(str, seeds))
 
 
 def markdown(result: dict) -> str:
@@ -738,7 +795,7 @@ def markdown(result: dict) -> str:
         f"# LM convergence\n\n{_title(result)}\n\n"
         "## Best run per optimizer\n\n"
         + common.format_table(result["rows"], ROW_COLUMNS, markdown=True)
-        + _eps_grid(mean_over_seeds(result["runs"], seeds_of(result["config"])))
+        + _eps_grid(averaged_runs(result["runs"], seeds_of(result["config"])))
         + "\n## Every run\n\n"
         + common.format_table(result["runs"], RUN_COLUMNS, markdown=True)
     )
@@ -806,37 +863,43 @@ def build_result(
     }
 
 
-# What must agree between results merged over seeds (`merge_results`).
+# What must agree between results merged (`merge_results`): the protocol, not the grid or seeds.
 SAME_CONFIG = ("model", "dtype", "tokenizer", "source", "steps", "batch_size", "seq_len",
                "eval_every", "eval_batches", "schedule", "clip_norm", "layers")  # fmt: skip
 
 
 def merge_results(results: list[dict]) -> dict:
-    """One result from several runs of this script that differ only in their seeds (and their
-    grids): the runs of all, compared by their seed-averaged curves on the settings every seed
-    has run (`summary_rows`). Raises ValueError when a setting in ``SAME_CONFIG`` differs or a
-    seed repeats."""
+    """One result from several runs of this script with the same protocol: the shards of one
+    sweep (``--processes``), other seeds of it, or more learning rates or eps values. Its grids
+    and seeds are the unions; settings are compared on the seeds all of them have run and
+    reported over all the seeds each has (`summary_rows`). Raises ValueError when a setting in
+    ``SAME_CONFIG`` or an optimizer's hyperparameters (SONew's eps grid aside) differ, or a
+    setting ran twice from one seed."""
     first = results[0]["config"]
     for result in results[1:]:
-        for key in SAME_CONFIG:
-            if result["config"].get(key) != first.get(key):
-                raise ValueError(
-                    f"cannot merge: config {key!r} differs ({result['config'].get(key)!r} "
-                    f"against {first.get(key)!r})"
-                )
+        config = result["config"]
+        differs = [k for k in SAME_CONFIG if config.get(k) != first.get(k)]
+        differs += [
+            f"hyperparameters of {name}"
+            for name, hp in first.get("hyperparameters", {}).items()
+            if _without_eps(config["hyperparameters"].get(name)) != _without_eps(hp)
+        ]
+        if differs:
+            raise ValueError(f"cannot merge: config {differs} differs")
     seeds, runs = [], []
     for result in results:
         own = seeds_of(result["config"])
-        if set(own) & set(seeds):
-            raise ValueError(f"cannot merge: seeds {sorted(set(own) & set(seeds))} repeat")
-        seeds += own
+        seeds += [s for s in own if s not in seeds]
         runs += [{**run, "seed": run.get("seed", own[0])} for run in result["runs"]]
+    keys = [(*run_key(run), run["seed"]) for run in runs]
+    if len(set(keys)) != len(keys):
+        raise ValueError("cannot merge: a setting ran twice from one seed")
     lrs = {
-        name: sorted(set.intersection(*(set(r["config"]["learning_rates"][name]) for r in results)))
+        name: sorted({lr for r in results for lr in r["config"]["learning_rates"].get(name, [])})
         for name in OPTIMIZERS
     }
-    swept = [r["config"]["hyperparameters"][CANDIDATE]["eps"] for r in results]
-    eps = {CANDIDATE: sorted(set.intersection(*(set(np.atleast_1d(e).tolist()) for e in swept)))}
+    swept = (r["config"]["hyperparameters"][CANDIDATE]["eps"] for r in results)
+    eps = {CANDIDATE: sorted({e for values in swept for e in np.atleast_1d(values).tolist()})}
     config = {**copy.deepcopy(first), "seeds": seeds, "learning_rates": lrs}
     config.pop("seed", None)
     config["hyperparameters"][CANDIDATE]["eps"] = eps[CANDIDATE]
@@ -850,32 +913,15 @@ def merge_results(results: list[dict]) -> dict:
     }
 
 
-def combine_shards(results: list[dict]) -> dict:
-    """One result from the shards of one sweep (``--shard``: the same config, each a share of
-    its settings): all their runs, summarised together. Raises ValueError when the configs
-    differ or a setting ran twice."""
-    config = results[0]["config"]
-    for result in results[1:]:
-        differs = [k for k in config if k != "eval_tokens" and result["config"].get(k) != config[k]]
-        if differs:
-            raise ValueError(f"cannot combine shards: config {differs} differs")
-    runs = [run for result in results for run in result["runs"]]
-    keys = [(*run_key(run), run.get("seed")) for run in runs]
-    if len(set(keys)) != len(keys):
-        raise ValueError("cannot combine shards: a setting ran in two of them")
-    eps = {CANDIDATE: np.atleast_1d(config["hyperparameters"][CANDIDATE]["eps"]).tolist()}
-    return {
-        **results[0],
-        "date": max(r["date"] for r in results),
-        "rows": summary_rows(runs, config["learning_rates"], eps, seeds_of(config)),
-        "runs": runs,
-    }
+def _without_eps(hyperparameters: dict | None) -> dict | None:
+    """An optimizer's hyperparameters without its eps (SONew's is a swept grid)."""
+    return None if hyperparameters is None else {**hyperparameters, "eps": None}
 
 
 def run_processes(argv: list[str], args: argparse.Namespace) -> dict:
     """``--processes N``: this script with ``--shard k/N`` in N child processes at once, child
     ``k`` on the k-th visible GPU, each writing ``<out>.shard<k>.json``; then their runs
-    combined (:func:`combine_shards`) into ``--out``. The children's step times are each
+    merged (:func:`merge_results`) into ``--out``. The children's step times are each
     measured on their own GPU, alone on it. Raises RuntimeError naming a child that failed."""
     n = args.processes
     forwarded = _without_flag(argv, "--processes")
@@ -895,7 +941,7 @@ def run_processes(argv: list[str], args: argparse.Namespace) -> dict:
     failed = [k for k, child in enumerate(children) if child.wait() != 0]
     if failed:
         raise RuntimeError(f"lm_convergence shards {failed} of {n} failed (their output above)")
-    result = combine_shards([json.loads(path.read_text()) for path in shards])
+    result = merge_results([json.loads(path.read_text()) for path in shards])
     write_outputs(result, args.out)
     for path in shards:
         for suffix in (".json", ".md", ".png"):
@@ -1074,8 +1120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--merge",
         nargs="+",
         metavar="JSON",
-        help="run nothing: merge these results (the same settings, other seeds) into --out, "
-        "comparing seed-averaged curves on the settings all of them ran",
+        help="run nothing: merge these results (the same protocol; other seeds, learning rates "
+        "or eps values) into --out; settings are compared on the seeds all of them ran",
     )
     return p.parse_args(argv)
 

@@ -229,28 +229,50 @@ def test_two_seeds_compare_mean_curves(tmp_path):
 
 def _result(seed, lrs, runs):
     config = {key: 1 for key in lm_convergence.SAME_CONFIG}
+    sonew = {"eps": [1e-9], "damping": "mean"}
     config.update(seed=seed, learning_rates={"adamw": lrs, "adafactor": [], "sonew_tridiag": lrs},
-                  hyperparameters={"sonew_tridiag": {"eps": [1e-9]}})  # fmt: skip
+                  hyperparameters={"sonew_tridiag": sonew})  # fmt: skip
     return {"device": "cpu", "date": f"d{seed}", "params": 7, "config": config, "runs": runs}
 
 
-def test_merge_results_averages_seeds_on_common_settings():
-    seed0 = _result(0, [1.0, 2.0], [_run("adamw", 1.0, 0, [5.0, 3.0, 2.0]),
-                                    _run("adamw", 2.0, 0, [5.0, 2.0, 1.0])])  # fmt: skip
-    seed1 = _result(1, [1.0], [_run("adamw", 1.0, 1, [5.0, 4.0, 3.0])])
-    for run in seed1["runs"]:
+def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
+    """A sweep from seed 0, its best rates re-run from seed 1, one more rate from seed 0: the
+    best setting is chosen on seed 0 (the seed every setting ran) and reported averaged over
+    both; ratios compare curves averaged over the seeds both settings ran."""
+    sweep = _result(0, [1.0, 2.0], [
+        _run("adamw", 1.0, 0, [5.0, 3.0, 2.0]), _run("adamw", 2.0, 0, [5.0, 2.5, 1.8]),
+        _run("sonew_tridiag", 1.0, 0, [5.0, 2.0, 1.5]),
+        _run("sonew_tridiag", 2.0, 0, [5.0, 2.2, 1.6])])  # fmt: skip
+    best_again = _result(1, [2.0], [_run("adamw", 2.0, 1, [5.0, 3.5, 2.4]),
+                                    _run("sonew_tridiag", 1.0, 1, [5.0, 2.4, 1.7])])  # fmt: skip
+    best_again["config"]["learning_rates"]["sonew_tridiag"] = [1.0]
+    wider = _result(0, [4.0], [_run("adamw", 4.0, 0, [5.0, 4.0, 3.0])])
+    wider["config"]["learning_rates"]["sonew_tridiag"] = []
+    for run in wider["runs"]:
         del run["seed"]  # older results: the config's seed
-    merged = lm_convergence.merge_results([seed0, seed1])
+    merged = lm_convergence.merge_results([sweep, best_again, wider])
     assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
-    assert merged["config"]["learning_rates"]["adamw"] == [1.0]  # lr 2.0 lacks seed 1
-    (row,) = merged["rows"]
-    assert (row["learning_rate"], row["final_eval_loss"]) == (1.0, 2.5)
-    assert row["steps_ratio_vs_adamw_per_seed"] == [1.0, 1.0]
-    with pytest.raises(ValueError, match="seeds \\[0\\] repeat"):
-        lm_convergence.merge_results([seed0, seed0])
-    seed1["config"]["steps"] = 2
-    with pytest.raises(ValueError, match="config 'steps' differs"):
-        lm_convergence.merge_results([seed0, seed1])
+    assert merged["config"]["learning_rates"]["adamw"] == [1.0, 2.0, 4.0]
+    rows = {row["optimizer"]: row for row in merged["rows"]}
+    adamw, sonew = rows["adamw"], rows["sonew_tridiag"]
+    # chosen on seed 0 (1.8 < 2.0), though its mean over both seeds (2.1) is above lr 1.0's 2.0
+    assert (adamw["learning_rate"], adamw["seeds"], adamw["lr_at_grid_edge"]) == (2.0, 2, False)
+    assert adamw["final_eval_loss"] == pytest.approx(2.1)
+    assert (sonew["learning_rate"], sonew["seeds"]) == (1.0, 2)
+    assert sonew["final_eval_loss"] == pytest.approx(1.6)
+    # mean curves: SONew [5, 2.2, 1.6] reaches 2.1 at step 10 + 10 * 0.1 / 0.6; AdamW at 20
+    assert sonew["steps_ratio_vs_adamw"] == pytest.approx((10 + 10 / 6) / 20)
+    # seed 0: 1.8 at 10 + 10 * 0.2 / 0.5 = 14 against 20; seed 1: 2.4 at 10 against 20
+    assert sonew["steps_ratio_vs_adamw_per_seed"] == pytest.approx([0.7, 0.5])
+    assert adamw["steps_ratio_vs_adamw_per_seed"] == [1.0, 1.0]
+    with pytest.raises(ValueError, match="ran twice from one seed"):
+        lm_convergence.merge_results([sweep, sweep])
+    best_again["config"]["steps"] = 2
+    with pytest.raises(ValueError, match=r"\['steps'\] differs"):
+        lm_convergence.merge_results([sweep, best_again])
+    wider["config"]["hyperparameters"]["sonew_tridiag"]["damping"] = "absolute"
+    with pytest.raises(ValueError, match="hyperparameters of sonew_tridiag"):
+        lm_convergence.merge_results([sweep, wider])
 
 
 def test_sentencepiece_vocabulary_binds_the_model(tmp_path):
@@ -286,15 +308,6 @@ def test_processes_split_the_sweep_and_combine_to_the_same_runs(tmp_path):
     ]
 
 
-def test_combine_shards_refuses_other_configs_and_repeats():
-    run = {"optimizer": "adamw", "learning_rate": 1e-3, "eps": None, "seed": 0}
-    config = {"steps": 20, "seeds": [0], "learning_rates": {}, "eval_tokens": 5}
-    config["hyperparameters"] = {"sonew_tridiag": {"eps": 1e-9}}
-    shard = {"date": "d", "config": config, "runs": [run]}
-    with pytest.raises(ValueError, match="ran in two"):
-        lm_convergence.combine_shards([shard, shard])
-    other = {**shard, "config": {**config, "steps": 40}, "runs": []}
-    with pytest.raises(ValueError, match=r"\['steps'\] differs"):
-        lm_convergence.combine_shards([shard, other])
+def test_shard_flag_is_checked():
     with pytest.raises(SystemExit):
         lm_convergence.parse_args(["--shard", "2/2"])
