@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import KernelConfig, scale_by_sonew, sonew
+from sonew_pax.optim import KernelConfig, kernels, scale_by_sonew, sonew
 from tests.test_sonew_sharded import assert_sharded_matches, make_mesh
 
 B2 = 0.95
@@ -97,12 +97,19 @@ def test_unknown_damping_is_named():
 
 
 @pytest.mark.parametrize("band", [0, 1, 2])
-def test_kernels_take_the_relative_damping(band):
+def test_kernels_take_the_relative_damping(band, monkeypatch):
     """The Pallas kernels (in Pallas' interpreter here) with ``damping="mean"`` follow the XLA
-    path: each tensor's eps reaches its own launch, also for tensors of one shape that would
-    otherwise share one."""
+    path: the two tensors of one shape share a launch, each with its own eps."""
+    launches = []
+    group_update = kernels.group_update
+
+    def spy(gs, *args, **kwargs):
+        launches.append(len(gs))
+        return group_update(gs, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "group_update", spy)
     params = {"a": jnp.zeros((32, 64)), "b": jnp.zeros((32, 64))}
-    small = KernelConfig(banded_tile=(8, 64, 2), scan_tile=(16, 64, 2))
+    small = KernelConfig(banded_tile=(8, 64, 2), scan_tile=(16, 64, 2), max_banded_group=2)
     rng = np.random.default_rng(band)
     grads_seq = [
         {k: jnp.asarray(s * rng.normal(size=p.shape), jnp.float32) for (k, p), s in
@@ -124,7 +131,9 @@ def test_kernels_take_the_relative_damping(band):
     # Float32 rounding of the two paths differs by ~1e-5 of the largest entry (the first steps'
     # correlations are near +-1). A wrong eps moves "b" (gradients 1e-2: relative eps 1e-6 there,
     # not 1e-2) by O(1).
-    for got, want in zip(run("pallas"), run("xla"), strict=True):
+    got_all = run("pallas")
+    assert launches and set(launches) == {2}  # one launch per step for both tensors
+    for got, want in zip(got_all, run("xla"), strict=True):
         for k in params:
             scale = np.abs(want[k]).max()
             np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-4 * scale)

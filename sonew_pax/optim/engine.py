@@ -213,7 +213,8 @@ def _leaf_steps(
     ``kernels.Apply``, writing the parameters in ``u``'s
     place), where the tensors of one ``kernels.launch_key`` share launches
     (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
-    for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`)."""
+    for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`; a
+    launch takes each of its tensors' own)."""
     grads, m, d, e, _, layouts = leaves
     hypers = [
         _damped(_raw(g, m[k], d[k]), corrections, hyper, lay) if _has_chain(lay, hyper) else hyper
@@ -227,19 +228,18 @@ def _leaf_steps(
         else:
             steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k])
     for (shape, band, *_), members in groups.items():
-        # A relative damping is a number of its own per tensor: the tensors launch one at a time.
-        relative = hyper.damping != "absolute"
-        size = 1 if relative else pallas.launch_group(shape, band, kernels)
+        size = pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
             part = members[start : start + size]
             results = pallas.group_update(
                 *([x[k] for k in part] for x in (grads, m, d, e)),
                 corrections,
-                hypers[part[0]],
+                hyper,
                 interpret=_interpret(),
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
                 applies=[applies[k] for k in part],
+                eps=[hypers[k].eps for k in part],
                 config=kernels,
             )
             for k, result in zip(part, results, strict=True):

@@ -43,6 +43,7 @@ def banded_kernel(
     apply,
     decayed,
     program,
+    tensor,
 ):
     """Band ``b >= 2`` (Theorem 2, Algorithm 3) walking down a ``rows x cols`` block of the view.
 
@@ -79,7 +80,7 @@ def banded_kernel(
     i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
-    hyper, corrections = numbers(scalars_ref, graft)
+    hyper, corrections = numbers(scalars_ref, graft, tensor)
     compute = d_ref.dtype
     first, last = chunk_rows(i, rows, num_rows)
     span = 3 * b - 1  # halo rows per chunk, and the edges' rows (b above, 2b - 1 below)

@@ -10,7 +10,7 @@ from sonew_pax.optim.kernels.geometry import tile_view
 from sonew_pax.optim.kernels.program import numbers, output, write_parts
 
 
-def diagonal_kernel(scalars_ref, *refs, shape, graft, rows, cols, apply, decayed, program):
+def diagonal_kernel(scalars_ref, *refs, shape, graft, rows, cols, apply, decayed, program, tensor):
     """One ``rows x cols`` tile of the view: the diagonal step (band 0; with ``apply``, reading
     ``p_ref`` and writing the new parameters in ``u``'s place)."""
     inputs = 3 + 2 * apply
@@ -23,7 +23,7 @@ def diagonal_kernel(scalars_ref, *refs, shape, graft, rows, cols, apply, decayed
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     valid = (r < num_rows) & (c < num_cols)
     offset = r * num_cols + c
-    hyper, corrections = numbers(scalars_ref, graft)
+    hyper, corrections = numbers(scalars_ref, graft, tensor)
     compute = d_ref.dtype
 
     def here(ref):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -18,7 +18,7 @@ from sonew_pax.optim.kernels import banded, diagonal, scan
 from sonew_pax.optim.kernels.config import DEFAULT, KernelConfig
 from sonew_pax.optim.kernels.geometry import default_tile, scan_stack, tile_view
 from sonew_pax.optim.kernels.halo import Edges, Halo, gather_halos, kernel_edges
-from sonew_pax.optim.kernels.program import APPLY_SCALARS, SCALARS, Apply, bind, per_tensor
+from sonew_pax.optim.kernels.program import Apply, bind, pack_scalars, per_tensor
 
 
 def launch_key(g: jax.Array, m: jax.Array, d: jax.Array, e: Any, apply: Apply | None) -> tuple:
@@ -88,6 +88,7 @@ def group_update(
     halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
     edges: list[Edges | None] | None = None,
     applies: list[Apply | None] | None = None,
+    eps: Sequence | None = None,
     config: KernelConfig = DEFAULT,
 ) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
     """:func:`leaf_update` of several tensors of one :func:`launch_key` (shape, dtypes, and all
@@ -95,7 +96,9 @@ def group_update(
     the grid gains an axis over the tensors and each program runs one tensor's kernel. A small
     tensor's kernel is short and its walk's first loads wait on memory before any row is
     computed; launched together, the tensors fill the GPU as one larger tensor does
-    (``geometry.launch_group``). Returns :func:`leaf_update`'s tuple per tensor, in order."""
+    (``geometry.launch_group``). ``eps``: each tensor's damping (``sonew``'s relative
+    dampings differ per tensor; default ``hyper.eps`` for all). Returns :func:`leaf_update`'s
+    tuple per tensor, in order."""
     count = len(gs)
     halos = halos or [None] * count
     edges = edges or [None] * count
@@ -115,10 +118,13 @@ def group_update(
     compute = ds[0].dtype
     num_rows, num_cols = tile_view(shape)
     apply = applies[0]
-    numbers = [getattr(hyper, k) for k in SCALARS[:5]] + list(corrections)
-    numbers += [0] * len(APPLY_SCALARS) if apply is None else [apply.weight_decay, apply.scale]
-    numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
-    scalars = jnp.stack([jnp.asarray(x, compute) for x in numbers])
+    eps = [hyper.eps] * count if eps is None else list(eps)
+    if len(eps) != count:
+        raise ValueError(f"group_update: {len(eps)} eps values for {count} tensors")
+    # Room for the largest launch: with one eps for all (absolute damping) every launch of an
+    # update then passes the same array, which XLA builds once.
+    room = max(config.max_group, config.max_banded_group, count)
+    scalars = pack_scalars(hyper, corrections, apply, eps + eps[-1:] * (room - count), compute)
     halo_size = (3 * band - 1) * pl.cdiv(num_rows, rows) * num_cols  # one sub-array's
     if band and band * halo_size > config.max_offset:
         raise ValueError(

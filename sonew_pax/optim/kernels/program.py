@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -11,11 +12,11 @@ from jax.experimental import pallas as pl
 from sonew_pax.optim import fma, pointwise
 from sonew_pax.optim.fma import madd
 
-# The numbers of ``pointwise.Hyper``, the bias corrections and :class:`Apply`'s scalars common to
-# all tensors, packed into one input array (padded to a power of 2, as Triton's blocks must be):
-# the same array for every tensor of an update, which XLA builds once.
-SCALARS = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2")
-APPLY_SCALARS = ("weight_decay", "scale")
+# The numbers every tensor of a launch shares (``pointwise.Hyper``'s but ``eps``, the bias
+# corrections and :class:`Apply`'s), then each tensor's ``eps`` (a relative damping is a number of
+# its own per tensor), packed into one input array (padded to a power of 2, as Triton's blocks
+# must be) by :func:`pack_scalars`.
+SHARED = ("b1", "b2", "gamma", "graft_eps", "bc1", "bc2", "weight_decay", "scale")
 
 
 class Apply(NamedTuple):
@@ -55,11 +56,34 @@ class StepRefs(NamedTuple):
         return cls(*refs) if apply else cls(None, None, *refs)
 
 
-def numbers(scalars_ref, graft: str) -> tuple[pointwise.Hyper, tuple]:
-    """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input."""
-    values = {name: scalars_ref[k] for k, name in enumerate(SCALARS)}
+def pack_scalars(
+    hyper: pointwise.Hyper,
+    corrections: tuple,
+    apply: Apply | None,
+    eps: Sequence,
+    dtype,
+) -> jax.Array:
+    """The kernels' scalar input: :data:`SHARED` (``Apply``'s zero without ``apply``), then
+    ``eps[k]`` of each tensor ``k`` of the launch (and any more entries given)."""
+    decay, scale = (0, 0) if apply is None else (apply.weight_decay, apply.scale)
+    numbers = [hyper.b1, hyper.b2, hyper.gamma, hyper.graft_eps, *corrections, decay, scale]
+    numbers += list(eps)
+    numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
+    return jnp.stack([jnp.asarray(x, dtype) for x in numbers])
+
+
+def numbers(scalars_ref, graft: str, tensor: int) -> tuple[pointwise.Hyper, tuple]:
+    """``pointwise.Hyper`` (with tensor ``tensor``'s ``eps``) and the bias corrections from the
+    kernels' scalar input (:func:`pack_scalars`)."""
+    values = {name: scalars_ref[k] for k, name in enumerate(SHARED)}
     hyper = pointwise.Hyper(
-        **{k: values[k] for k in SCALARS[:5]}, graft=graft, precondition_1d=True
+        b1=values["b1"],
+        b2=values["b2"],
+        eps=scalars_ref[len(SHARED) + tensor],
+        gamma=values["gamma"],
+        graft_eps=values["graft_eps"],
+        graft=graft,
+        precondition_1d=True,
     )
     return hyper, (values["bc1"], values["bc2"])
 
@@ -69,7 +93,7 @@ def output(scalars_ref, ratio_ref, u, p, decayed: bool):
     ``None``) the new parameter (:class:`Apply`)."""
     if p is None:
         return u
-    weight_decay, scale = (scalars_ref[len(SCALARS) + k] for k in range(len(APPLY_SCALARS)))
+    weight_decay, scale = (scalars_ref[SHARED.index(k)] for k in ("weight_decay", "scale"))
     decay = weight_decay if decayed else 0
     return pointwise.apply_update(p, u, ratio_ref[0], decay, scale)
 
@@ -113,11 +137,11 @@ def per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) 
     """The kernel ``body`` on one of ``count`` tensors' refs (``inputs`` inputs each after the
     shared scalars, then each one's outputs): tensor ``program_id(2)``'s, a branch per tensor
     (the refs are static). ``body`` takes the program's ``(row chunk, column block)`` as
-    ``program``."""
+    ``program`` and the tensor's place in the launch as ``tensor``."""
     # Read outside the branches: inside one, Pallas' interpreter finds no program ids.
     program = pl.program_id(0), pl.program_id(1)
     if count == 1:
-        body(scalars_ref, *refs, program=program, **static)
+        body(scalars_ref, *refs, program=program, tensor=0, **static)
         return
     outputs = (len(refs) - count * inputs) // count
     tensor = pl.program_id(2)
@@ -127,7 +151,7 @@ def per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) 
         def _run(k=k):
             mine = refs[k * inputs : (k + 1) * inputs]
             out = refs[count * inputs + k * outputs : count * inputs + (k + 1) * outputs]
-            body(scalars_ref, *mine, *out, program=program, **static)
+            body(scalars_ref, *mine, *out, program=program, tensor=k, **static)
 
 
 def bind(kernel, name: str, contract: bool = False, **static):

@@ -43,6 +43,7 @@ def scan_kernel(
     decayed,
     interpret,
     program,
+    tensor,
 ):
     """Band 1 walking down a ``rows x cols`` block of the view: ``stack`` walks of ``rows /
     stack`` rows one under another, one lane per walk and column, all a row at a time.
@@ -66,7 +67,7 @@ def scan_kernel(
     i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
-    hyper, corrections = numbers(scalars_ref, graft)
+    hyper, corrections = numbers(scalars_ref, graft, tensor)
     compute = d_ref.dtype
     block_first, block_last = chunk_rows(i, rows, num_rows)
     # Each walk's first and last row, (stack, 1); a walk below the view's last row is empty
