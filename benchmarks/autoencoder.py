@@ -66,6 +66,7 @@ import numpy as np
 import optax
 
 from benchmarks import common, mnist_data
+from sonew_pax import metrics
 
 LAYER_SIZES = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 CODE_LAYER = 3  # index of the dense layer producing the 30-unit code: no activation after it
@@ -347,6 +348,7 @@ def run_optimizer(name: str, args, data: jax.Array, runs: list[dict]) -> list[di
     for epoch in range(args.epochs):
         params, opt_state, mean_loss = trainer.epoch(params, opt_state, hps, jnp.int32(epoch))
         curve.append(mean_loss)
+        print_progress(name, epoch + 1, args.epochs, mean_loss, time.perf_counter() - start)
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     final = np.asarray(trainer.evaluate(params))
@@ -368,6 +370,18 @@ def run_optimizer(name: str, args, data: jax.Array, runs: list[dict]) -> list[di
         }
         for i, run in enumerate(runs)
     ]
+
+
+def print_progress(name: str, done: int, total: int, losses, elapsed: float) -> None:
+    """One line per epoch: the lowest of the runs' mean minibatch losses (waiting for the
+    epoch: one program of ``steps`` updates, so nothing is lost), seconds per epoch and ETA."""
+    per_epoch = elapsed / done
+    print(
+        f"{name} epoch {done}/{total}: loss {float(np.min(losses)):.3f} (best of "
+        f"{np.size(losses)} runs), {per_epoch:.1f} s/epoch, "
+        f"ETA {metrics.format_duration(per_epoch * (total - done))}",
+        flush=True,
+    )
 
 
 def parse_floats(text: str) -> list[float]:

@@ -35,9 +35,10 @@ def run_one_epoch(optimizer: str, out: Path) -> dict:
         ),
     ],
 )
-def test_one_epoch_writes_schema_and_learns(optimizer, tmp_path):
+def test_one_epoch_writes_schema_and_learns(optimizer, tmp_path, capsys):
     out = tmp_path / "autoencoder.json"
     result = run_one_epoch(optimizer, out)
+    assert f"{optimizer} epoch 1/1: loss " in capsys.readouterr().out  # the progress line
 
     written = json.loads(out.read_text())
     assert written == result
