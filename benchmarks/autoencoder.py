@@ -348,7 +348,7 @@ def run_optimizer(name: str, args, data: jax.Array, runs: list[dict]) -> list[di
     for epoch in range(args.epochs):
         params, opt_state, mean_loss = trainer.epoch(params, opt_state, hps, jnp.int32(epoch))
         curve.append(mean_loss)
-        print_progress(name, epoch + 1, args.epochs, mean_loss, time.perf_counter() - start)
+        print_progress(name, epoch + 1, args.epochs, mean_loss, start)
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
     final = np.asarray(trainer.evaluate(params))
@@ -372,12 +372,14 @@ def run_optimizer(name: str, args, data: jax.Array, runs: list[dict]) -> list[di
     ]
 
 
-def print_progress(name: str, done: int, total: int, losses, elapsed: float) -> None:
+def print_progress(name: str, done: int, total: int, losses, start: float) -> None:
     """One line per epoch: the lowest of the runs' mean minibatch losses (waiting for the
-    epoch: one program of ``steps`` updates, so nothing is lost), seconds per epoch and ETA."""
-    per_epoch = elapsed / done
+    epoch: one program of ``steps`` updates, so nothing is lost), seconds per epoch since
+    ``start`` (a ``time.perf_counter()``) and ETA."""
+    best = float(np.min(losses))
+    per_epoch = (time.perf_counter() - start) / done
     print(
-        f"{name} epoch {done}/{total}: loss {float(np.min(losses)):.3f} (best of "
+        f"{name} epoch {done}/{total}: loss {best:.3f} (best of "
         f"{np.size(losses)} runs), {per_epoch:.1f} s/epoch, "
         f"ETA {metrics.format_duration(per_epoch * (total - done))}",
         flush=True,
