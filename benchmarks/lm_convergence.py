@@ -569,14 +569,17 @@ def seeds_run(runs: list[dict], key: tuple, seeds: list[int]) -> list[int]:
     return [s for s in seeds if s in own]
 
 
+def setting_mean(runs: list[dict], key: tuple, seeds: list[int]) -> dict:
+    """Setting ``key``'s run averaged over ``seeds`` (`mean_over_seeds`), all of which it has
+    run."""
+    (run,) = mean_over_seeds([r for r in runs if run_key(r) == key], seeds)
+    return run
+
+
 def averaged_runs(runs: list[dict], seeds: list[int]) -> list[dict]:
-    """Every setting once, its curves the mean over the seeds of ``seeds`` it has run
-    (`mean_over_seeds` per setting)."""
-    keys = list(dict.fromkeys(run_key(run) for run in runs))
-    return [
-        mean_over_seeds([r for r in runs if run_key(r) == key], seeds_run(runs, key, seeds))[0]
-        for key in keys
-    ]
+    """Every setting once, its curves the mean over the seeds of ``seeds`` it has run."""
+    keys = dict.fromkeys(run_key(run) for run in runs)
+    return [setting_mean(runs, key, seeds_run(runs, key, seeds)) for key in keys]
 
 
 def summary_rows(
@@ -604,7 +607,7 @@ def summary_rows(
         if name not in best:
             continue
         own_seeds = seeds_run(runs, best[name], seeds)
-        (run,) = mean_over_seeds([r for r in runs if run_key(r) == best[name]], own_seeds)
+        run = setting_mean(runs, best[name], own_seeds)
         row = {
             "optimizer": name,
             "learning_rate": run["learning_rate"],
@@ -636,9 +639,7 @@ def _steps_vs_best(runs, key, ref_key, ref_name, seeds) -> dict:
     common = [s for s in seeds_run(runs, key, seeds) if s in common]
     if not common:
         return _steps_vs(None, None, ref_name)
-    mine, ref = (
-        mean_over_seeds([r for r in runs if run_key(r) == k], common)[0] for k in (key, ref_key)
-    )
+    mine, ref = (setting_mean(runs, k, common) for k in (key, ref_key))
     return _steps_vs(mine, ref, ref_name)
 
 
