@@ -65,9 +65,11 @@ def pack_scalars(
 ) -> jax.Array:
     """The kernels' scalar input: :data:`SHARED` (``Apply``'s zero without ``apply``), then
     ``eps[k]`` of each tensor ``k`` of the launch (and any more entries given)."""
-    decay, scale = (0, 0) if apply is None else (apply.weight_decay, apply.scale)
-    numbers = [hyper.b1, hyper.b2, hyper.gamma, hyper.graft_eps, *corrections, decay, scale]
-    numbers += list(eps)
+    values = {name: getattr(hyper, name) for name in ("b1", "b2", "gamma", "graft_eps")}
+    values.update(bc1=corrections[0], bc2=corrections[1], weight_decay=0, scale=0)
+    if apply is not None:
+        values.update(weight_decay=apply.weight_decay, scale=apply.scale)
+    numbers = [values[name] for name in SHARED] + list(eps)
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     return jnp.stack([jnp.asarray(x, dtype) for x in numbers])
 
