@@ -13,9 +13,10 @@ Two parts, each reusing another benchmark's functions:
   each of ``--optimizers`` (default AdamW and tridiagonal SONew as ``sonew`` defaults it, the
   kernels on GPU: ``sonew_tridiag_auto``), on the same random batch
   (``--batch_size`` x ``--seq_len``; the batch must divide over every mesh's data axis). Rows:
-  steps/s, tokens/s, peak memory per GPU (the largest over the mesh), first-step loss and the loss
-  after ``1 + --warmup + --iters`` steps; ``loss_agreement`` holds, per optimizer, the largest
-  difference of those losses across meshes.
+  steps/s, tokens/s, peak memory per GPU (the largest over the mesh), the waited, pipelined and
+  dispatch times of a step (`train_step`; ``--train_profile_steps``: the busiest GPU's kernel
+  time, ``busy_ms``), first-step loss and the loss after the timed steps; ``loss_agreement``
+  holds, per optimizer, the largest difference of those losses across meshes.
 
 Every measurement runs in a fresh subprocess by default (one for the update part, one per
 (optimizer, mesh) for the train part), so that no process holds GPU memory another needs and each
@@ -54,6 +55,9 @@ TRAIN_COLUMNS = (
     "loss",
     "loss_diff",
     "step_ms",
+    "pipelined_ms",
+    "dispatch_ms",
+    "busy_ms",
     "first_step_s",
 )
 AGREEMENT_COLUMNS = (
@@ -91,6 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_optimizers_arg(t, train_step.OPTIMIZERS, "adamw,sonew_tridiag_auto")
     t.add_argument("--meshes", default="", help="DATAxMODEL list, e.g. 4x1,2x2,1x4")
     common.add_timing_args(t, warmup=2, iters=10)
+    t.add_argument(
+        "--train_profile_steps",
+        type=int,
+        default=0,
+        help="traced train steps per row (device time of the busiest GPU: busy_ms)",
+    )
     t.add_argument("--loss_rtol", type=float, default=1e-2, help="loss gap counted as agreeing")
     p.add_argument("--worker", choices=("update",), help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -249,6 +259,7 @@ def train_args(args: argparse.Namespace, mesh: tuple[int, int]) -> argparse.Name
         *("--model", args.model, "--dtype", args.dtype, "--batch_size", str(args.batch_size)),
         *("--seq_len", str(args.seq_len), "--warmup", str(args.warmup)),
         *("--iters", str(args.iters), "--mesh_data", str(mesh[0]), "--mesh_model", str(mesh[1])),
+        *("--profile_steps", str(args.train_profile_steps)),
     ]
     if args.train_layers is not None:
         argv += ["--layers", str(args.train_layers)]

@@ -10,7 +10,9 @@ state-donating train step (forward, backward, update; ``--concurrent``: compiled
 tokens, fixed across steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
 ``block_until_ready``; the median is reported. Then ``--iters`` steps run back to back, waited
 on once (``pipelined_ms``, their mean: the host dispatches each step while the device still runs
-the last, as ``Trainer.train`` does).
+the last, as ``Trainer.train`` does). Then ``--iters`` steps each waited on before the next are
+timed to their return (``dispatch_ms``, the median: the host's cost of a step, which bounds a
+pipelined loop once it exceeds the device's).
 
 Peak memory is ``memory_stats()["peak_bytes_in_use"]``, the largest over the mesh's devices (null
 where the backend has no memory stats, e.g. CPU). Each optimizer runs in a fresh subprocess by
@@ -20,13 +22,14 @@ tests).
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "pipelined_ms",
-"pipelined_ratio_vs_adamw", "first_step_s", "tokens_per_s", "mfu", "loss", "first_loss",
-"steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch; ``mfu`` of the pipelined
-step as the trainer's progress line counts it, null on a device of unknown peak);
-with ``--profile_steps N`` each row also has ``busy_ms`` (the device's kernel time per step),
-``span_ms`` (the time at least one kernel ran: less than ``busy_ms`` where kernels overlap),
-``kernels`` and the largest ``--profile_families`` kernel ``families`` of ``N`` traced steps
-(``device_trace``; ``--profile_families 400`` keeps them all).
+"pipelined_ratio_vs_adamw", "dispatch_ms", "first_step_s", "tokens_per_s", "mfu", "loss",
+"first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch; ``mfu``
+of the pipelined step as the trainer's progress line counts it, null on a device of unknown
+peak);
+with ``--profile_steps N`` each row also has, for the busiest device of the mesh, ``busy_ms``
+(its kernel time per step), ``span_ms`` (the time at least one kernel ran: less than ``busy_ms``
+where kernels overlap), ``kernels`` and the largest ``--profile_families`` kernel ``families``
+of ``N`` traced steps (``device_trace``; ``--profile_families 400`` keeps them all).
 SONew rows are ``updates.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels; the trainer
 applies through ``optim.apply_gradients``, so in ``*_lag_pallas`` rows the kernels write the
 parameters: the fused apply).
@@ -60,6 +63,7 @@ COLUMNS = (
     "ratio_vs_adamw",
     "pipelined_ms",
     "pipelined_ratio_vs_adamw",
+    "dispatch_ms",
     "peak_memory_gib",
     "memory_ratio_vs_adamw",
     "first_step_s",
@@ -157,27 +161,30 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
 
         median, times, carry = common.time_steps(step, carry, args.warmup, args.iters)
         pipelined, carry = common.time_pipelined(step, carry, args.iters)
+        dispatch, carry = common.time_dispatch(step, carry, args.iters)
         profile = {}
         if args.profile_steps:
             summary, carry = device_trace.trace_steps(step, carry, args.profile_steps)
+            busiest = summary["devices"][0] if summary["devices"] else summary
             profile = {
-                "busy_ms": summary["busy_ms"],
-                "span_ms": summary["span_ms"],
-                "kernels": summary["kernels"],
-                "families": summary["families"][: args.profile_families],
+                "busy_ms": busiest["busy_ms"],
+                "span_ms": busiest["span_ms"],
+                "kernels": busiest["kernels"],
+                "families": busiest["families"][: args.profile_families],
             }
     return {
         "optimizer": name,
         "step_ms": median,
         "step_ms_min": min(times),
         "pipelined_ms": pipelined,
+        "dispatch_ms": dispatch,
         "peak_memory_gib": peak_memory_gib(devices),
         "first_step_s": first_step_s,
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
         "mfu": model_flops_utilization(config, args, pipelined, len(devices)),
         "loss": float(carry[1]["loss"]),
         "first_loss": first_loss,
-        "steps": 1 + args.warmup + 2 * args.iters + args.profile_steps,
+        "steps": 1 + args.warmup + 3 * args.iters + args.profile_steps,
         "mesh": f"{args.mesh_data}x{args.mesh_model}",
         "params": count_params(trainer.layout.abstract.params),
         "device": common.device_name(),

@@ -6,7 +6,7 @@ with ``_pallas`` with the Pallas kernels of ``sonew_pax/optim/kernels``; ``_lag`
 ``graft_lag=True``; ``_bf16`` with momentum and off-diagonals stored in bfloat16; and
 ``sonew_tridiag_auto``, ``sonew(lr, band=1)`` as a user (and the trainer's gin file) gets it:
 the kernels on GPU wherever they apply, XLA elsewhere; ``sonew_tridiag_mean``, the same with
-``damping="mean"`` (a pass of its own before the step; the kernels launch one tensor at a time).
+``damping="mean"`` (a pass over ``g`` and ``d`` before the step finds each tensor's ``eps``).
 """
 
 from collections.abc import Callable

@@ -91,7 +91,7 @@ def test_sonew_damping_flag_reaches_the_optimizer():
 
     def update(damping):
         tx = autoencoder.make_optimizer("sonew_tridiag", hp, 1e-3, damping=damping)
-        return tx.update(grads, tx.init(params), params)[0]
+        return jax.jit(tx.update)(grads, tx.init(params), params)[0]
 
     relative, absolute = update("mean"), update("absolute")
     assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(relative))
