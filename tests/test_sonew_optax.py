@@ -36,11 +36,13 @@ def test_finite_on_hostile_gradients(band):
     tx = sonew(1e-2, band=band, precondition_1d=True)
     update = jax.jit(tx.update)
     kinds = ["zero", "identical", "normal", "tiny", "huge", "bf16"]
-    # bf16 parameters take the same solve whatever the band; band 10's second compile for them
-    # took about 25 s of CI.
-    for kind in kinds[:-1] if band == 10 else kinds:
+    # bf16 parameters take the same solve whatever the band, and so does the 3-D tensor's 2-D
+    # view: band 10 compiles its windows' solve per tensor shape and dtype (about 12 s each on CI).
+    wide = band == 10
+    base = {k: p for k, p in PARAMS.items() if not (wide and p.ndim == 3)}
+    for kind in kinds[:-1] if wide else kinds:
         params = jax.tree.map(
-            lambda p, k=kind: p.astype(jnp.bfloat16 if k == "bf16" else jnp.float32), PARAMS
+            lambda p, k=kind: p.astype(jnp.bfloat16 if k == "bf16" else jnp.float32), base
         )
         state = tx.init(params)
         for step in range(3):  # step 1 is rank-deficient: H = P_G(g g^T) + eps I

@@ -249,8 +249,9 @@ def scale_by_sonew(
         times its largest entry (the paper's analysis takes the damping proportional to the
         gradients' bound, Theorem 3). A relative damping makes the grafted update independent
         of the gradients' scale. It costs a pass over ``g`` and ``d`` before the step (across
-        shards one more all-reduce per tensor; the kernels launch each tensor alone), and a
-        non-finite gradient entry makes the whole tensor's update non-finite.
+        shards one more all-reduce per tensor; each kernel reads its tensor's ``eps`` from its
+        launch's scalar input), and a non-finite gradient entry makes the whole tensor's update
+        non-finite.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
