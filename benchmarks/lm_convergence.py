@@ -553,19 +553,25 @@ def best_runs(runs: list[dict]) -> dict[str, dict]:
     return best
 
 
+def _seeds_by_setting(runs: list[dict], default: int) -> dict[tuple, set[int]]:
+    """The seeds each setting (`run_key`) of ``runs`` has run (a run without one: ``default``)."""
+    have: dict[tuple, set[int]] = {}
+    for run in runs:
+        have.setdefault(run_key(run), set()).add(run.get("seed", default))
+    return have
+
+
 def sweep_seeds(runs: list[dict], seeds: list[int]) -> list[int]:
     """The seeds of ``seeds`` that every setting (`run_key`) of ``runs`` has run: those the
     settings are compared on. A sweep runs every setting from the first seed; the best settings
     may then be re-run from more (``--seeds 1`` with their rates, merged with ``--merge``)."""
-    have: dict[tuple, set] = {}
-    for run in runs:
-        have.setdefault(run_key(run), set()).add(run.get("seed", seeds[0]))
-    return [s for s in seeds if all(s in own for own in have.values())]
+    have = _seeds_by_setting(runs, seeds[0]).values()
+    return [s for s in seeds if all(s in own for own in have)]
 
 
 def seeds_run(runs: list[dict], key: tuple, seeds: list[int]) -> list[int]:
     """The seeds of ``seeds`` that setting ``key`` has run."""
-    own = {run.get("seed", seeds[0]) for run in runs if run_key(run) == key}
+    own = _seeds_by_setting(runs, seeds[0]).get(key, set())
     return [s for s in seeds if s in own]
 
 

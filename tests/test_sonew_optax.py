@@ -37,7 +37,8 @@ def test_finite_on_hostile_gradients(band):
     update = jax.jit(tx.update)
     kinds = ["zero", "identical", "normal", "tiny", "huge", "bf16"]
     # bf16 parameters take the same solve whatever the band, and so does the 3-D tensor's 2-D
-    # view: band 10 compiles its windows' solve per tensor shape and dtype (about 12 s each on CI).
+    # view: band 10 compiles its windows' solve per tensor shape and dtype, each among the
+    # suite's slowest compilations.
     wide = band == 10
     base = {k: p for k, p in PARAMS.items() if not (wide and p.ndim == 3)}
     for kind in kinds[:-1] if wide else kinds:
