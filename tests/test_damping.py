@@ -22,28 +22,36 @@ def _grads(shape, steps, seed=0, scale=1.0):
 
 @pytest.mark.parametrize("band", [0, 1, 2])
 @pytest.mark.parametrize("damping", ["mean", "max"])
-def test_each_step_is_the_absolute_step_with_the_tensors_eps(x64, band, damping):
-    """Step ``t`` of the relative damping equals the absolute-damping step whose ``eps`` is the
-    given one times the mean (or max) of ``d_hat_t = (b2 d_{t-1} + (1 - b2) g_t^2) / (1 -
-    b2^t)``, computed here from the gradients alone."""
+def test_each_step_is_the_absolute_step_with_the_last_steps_scale(x64, band, damping):
+    """Step 1 is zero (no diagonal yet to scale ``eps`` by: an infinite damping, while the
+    moments accumulate); step ``t`` equals the absolute-damping step whose ``eps`` is the given
+    one times the mean (or max) of the previous step's ``d_hat_{t-1} = d_{t-1} / (1 -
+    b2^(t-1))``, ``d_t = b2 d_{t-1} + (1 - b2) g_t^2``, computed here from the gradients alone;
+    the state keeps that statistic of ``d_hat_t``."""
     shape, rel = (6, 5), 1e-2
     grads = _grads(shape, 4, seed=band)
     kwargs = dict(band=band, b2=B2, graft="none", stats_dtype=jnp.float64)
     relative = scale_by_sonew(eps=rel, damping=damping, **kwargs)
-    absolute = optax.inject_hyperparams(scale_by_sonew, static_args=("band",))(eps=0.0, **kwargs)
+    absolute = optax.inject_hyperparams(scale_by_sonew, static_args=("band",))(eps=1.0, **kwargs)
     params = jnp.zeros(shape)
     state_rel, state_abs = relative.init(params), absolute.init(params)
-    d = np.zeros(shape)
+    reduce = np.mean if damping == "mean" else np.max
+    d, scale = np.zeros(shape), None
     for t, g in enumerate(grads, start=1):
-        d = B2 * d + (1 - B2) * np.square(np.asarray(g))
-        d_hat = d / (1 - B2**t)
-        reduce = np.mean if damping == "mean" else np.max
-        state_abs.hyperparams["eps"] = jnp.asarray(rel * reduce(d_hat))
+        if scale is not None:
+            state_abs.hyperparams["eps"] = jnp.asarray(rel * scale)
         u_rel, state_rel = relative.update(g, state_rel, params)
         u_abs, state_abs = absolute.update(g, state_abs, params)
-        # The mean is summed in another order here: eps differs in its last bits, which band 2's
-        # window solve amplifies in the smallest entries.
-        np.testing.assert_allclose(u_rel, u_abs, rtol=1e-10, atol=1e-12 * np.max(np.abs(u_abs)))
+        if scale is None:
+            assert np.all(np.asarray(u_rel) == 0)
+        else:
+            # The statistic is summed in another order here: eps differs in its last bits, which
+            # band 2's window solve amplifies in the smallest entries.
+            atol = 1e-12 * np.max(np.abs(u_abs))
+            np.testing.assert_allclose(u_rel, u_abs, rtol=1e-10, atol=atol)
+        d = B2 * d + (1 - B2) * np.square(np.asarray(g))
+        scale = reduce(d / (1 - B2**t))
+        np.testing.assert_allclose(state_rel.diag, scale, rtol=1e-12)
 
 
 @pytest.mark.parametrize("band", [0, 1, 4])
@@ -99,7 +107,8 @@ def test_unknown_damping_is_named():
 @pytest.mark.parametrize("band", [0, 1, 2])
 def test_kernels_take_the_relative_damping(band, monkeypatch):
     """The Pallas kernels (in Pallas' interpreter here) with ``damping="mean"`` follow the XLA
-    path: the two tensors of one shape share a launch, each with its own eps."""
+    path: the two tensors of one shape share a launch, each with its own eps, and their norm
+    pairs give the same next scale."""
     launches = []
     group_update = kernels.group_update
 
@@ -114,7 +123,7 @@ def test_kernels_take_the_relative_damping(band, monkeypatch):
     grads_seq = [
         {k: jnp.asarray(s * rng.normal(size=p.shape), jnp.float32) for (k, p), s in
          zip(params.items(), (1.0, 1e-2), strict=True)}
-        for _ in range(2)
+        for _ in range(3)
     ]  # fmt: skip
 
     def run(implementation):
@@ -126,14 +135,18 @@ def test_kernels_take_the_relative_damping(band, monkeypatch):
         for grads in grads_seq:
             u, state = tx.update(grads, state, params)
             out.append(u)
-        return out
+        return out, optax.tree_utils.tree_get(state, "diag")
 
     # Float32 rounding of the two paths differs by ~1e-5 of the largest entry (the first steps'
     # correlations are near +-1). A wrong eps moves "b" (gradients 1e-2: relative eps 1e-6 there,
     # not 1e-2) by O(1).
-    got_all = run("pallas")
+    (got_all, got_diag), (want_all, want_diag) = run("pallas"), run("xla")
     assert launches and set(launches) == {2}  # one launch per step for both tensors
-    for got, want in zip(got_all, run("xla"), strict=True):
+    assert all(np.all(np.asarray(u) == 0) for u in got_all[0].values())  # the first step
+    for got, want in zip(got_all[1:], want_all[1:], strict=True):
         for k in params:
             scale = np.abs(want[k]).max()
             np.testing.assert_allclose(got[k], want[k], rtol=0, atol=1e-4 * scale)
+    # The kernels' norm pairs of sqrt(d_hat) give the next step's scale, as XLA's reduction does.
+    for k in params:
+        np.testing.assert_allclose(got_diag[k], want_diag[k], rtol=1e-6)

@@ -8,6 +8,7 @@ from sonew_pax.optim.sharding import specs_of, state_partition_specs
 from sonew_pax.optim.sonew import (
     DEFAULT_EPS,
     DEFAULT_GAMMA,
+    ScaleBySONewDampedState,
     ScaleBySONewLagState,
     ScaleBySONewState,
     scale_by_sonew,
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_GAMMA",
     "GradientTransformationWithApply",
     "KernelConfig",
+    "ScaleBySONewDampedState",
     "ScaleBySONewLagState",
     "ScaleBySONewState",
     "apply_gradients",

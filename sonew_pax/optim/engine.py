@@ -154,8 +154,22 @@ def _banded_step(
         e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g, successors, hyper)
         u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
         step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
-    grafting = norm_pairs([step.adam, step.u]) if hyper.graft == "adam" else None
-    return step, grafting
+    return step, norm_pairs(_normed(step, corrections, hyper)) if _has_norms(hyper) else None
+
+
+def _has_norms(hyper: Hyper) -> bool:
+    """Whether a preconditioned tensor's step gives norm pairs: to graft, or for a relative
+    damping's next scale."""
+    return hyper.graft == "adam" or hyper.damping != "absolute"
+
+
+def _normed(step: Step, corrections, hyper: Hyper) -> list[jax.Array]:
+    """The arrays whose norm pairs a step gives (:func:`_has_norms`), in the pairs' order: Adam's
+    direction, ``u`` and, with a relative damping, ``sqrt(d_hat)`` (``pointwise.diagonal_root``)."""
+    normed = [step.adam, step.u]
+    if hyper.damping != "absolute":
+        normed.append(pointwise.diagonal_root(step.d, corrections))
+    return normed
 
 
 def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
@@ -215,10 +229,10 @@ def _leaf_steps(
     (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
     for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`; a
     launch takes each of its tensors' own)."""
-    grads, m, d, e, _, layouts = leaves
+    grads, m, d, e, _, diags, layouts = leaves
     hypers = [
-        _damped(_raw(g, m[k], d[k]), corrections, hyper, lay) if _has_chain(lay, hyper) else hyper
-        for k, (g, lay) in enumerate(zip(grads, layouts, strict=True))
+        _damped(hyper, diag) if _has_chain(lay, hyper) else hyper
+        for diag, lay in zip(diags, layouts, strict=True)
     ]
     steps: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
@@ -282,12 +296,13 @@ def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyp
     )
 
 
-def _damped(raw: Raw, corrections, hyper: Hyper, layout: ChainLayout) -> Hyper:
-    """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``eps`` times the mean
-    (``"mean"``) or the largest entry (``"max"``) of the step's bias-corrected diagonal ``d_hat``
-    over the whole tensor (all its shards: one more ``psum`` or ``pmax``), at least the smallest
-    normal number; ``"absolute"`` keeps ``eps``. It reads ``g`` and the old ``d`` in a pass of
-    its own before the step (on the kernels too, whose step takes the result as a number).
+def _damped(hyper: Hyper, diag: Any) -> Hyper:
+    """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``"absolute"`` keeps
+    ``eps``; a relative damping multiplies it by ``diag``, the mean (``"mean"``) or largest entry
+    (``"max"``) of the tensor's bias-corrected diagonal ``d_hat`` at the previous step (the
+    state's, which the step's norm pairs give at no extra pass or message: :func:`_diag_scale`),
+    at least the smallest normal number. While ``diag`` is 0 (no step yet, or only zero
+    gradients) the damping is infinite: ``u = 0``, the moments accumulate.
 
     A relative damping scales with the gradients' squared scale, as ``d_hat`` does, so the
     grafted update does not change when the gradients are scaled (the paper's regret bound takes
@@ -295,16 +310,8 @@ def _damped(raw: Raw, corrections, hyper: Hyper, layout: ChainLayout) -> Hyper:
     """
     if hyper.damping == "absolute":
         return hyper
-    _, d = pointwise.moments(raw, hyper)
-    d_hat = d / corrections[1]
-    axes = layout.mesh_axes
-    if hyper.damping == "max":
-        scale = jnp.max(d_hat)
-        scale = jax.lax.pmax(scale, axes) if axes else scale
-    else:
-        total = jnp.sum(d_hat)
-        scale = (jax.lax.psum(total, axes) if axes else total) / math.prod(layout.shape)
-    return hyper._replace(eps=jnp.maximum(hyper.eps * scale, jnp.finfo(d.dtype).tiny))
+    tiny = jnp.finfo(diag.dtype).tiny
+    return hyper._replace(eps=jnp.where(diag > 0, jnp.maximum(hyper.eps * diag, tiny), jnp.inf))
 
 
 def _halos(
@@ -339,7 +346,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     dtype built together (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go
     the same way travel together: one collective-permute per mesh axes, direction and round
     (``chain.run``), whatever the number of tensors."""
-    grads, m, d, e, _, layouts = leaves
+    grads, m, d, e, _, _, layouts = leaves
     m, d = list(m), list(d)
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
@@ -369,15 +376,16 @@ def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> 
     return pointwise.moments(_raw(g, m, d), hyper)
 
 
-# Tensors whose graft ratios one reduction computes. The ratios are then written to one scalar
-# buffer each (graft_lag's state); XLA writes up to this many in one kernel, more in one copy each
-# (one small launch per tensor).
+# Tensors whose norm pairs one reduction merges. The results are then written to one scalar
+# buffer each (graft_lag's and a relative damping's state); XLA writes up to this many in one
+# kernel, more in one copy each (one small launch per tensor).
 _GRAFT_GROUP = 32
 
 
-def _graft_ratios(grafts: list[jax.Array | None], layouts: list) -> list[jax.Array | None]:
-    """Each tensor's ``||adam|| / ||u||`` (or ``None``) from :func:`_leaf_steps`' ``graft``: the
-    local norm pairs ``(4, tiles)`` of the kernels' tiles, or of the XLA step (one tile).
+def _merged_pairs(parts: list[jax.Array | None], layouts: list) -> list[tuple | None]:
+    """Each tensor's norm pairs ``(scales, sums)`` (each of shape ``(pairs,)``; ``None`` where it
+    has none) merged over its tiles and shards, from :func:`_leaf_steps`' local pairs ``(2
+    pairs, tiles)`` of the kernels' tiles, or of the XLA step (one tile).
 
     The pairs are merged over the tiles (``chain.merge_pairs``) for the tensors of one shape
     together (up to ``_GRAFT_GROUP`` at a time, over their stacked pairs): a model's update
@@ -386,32 +394,61 @@ def _graft_ratios(grafts: list[jax.Array | None], layouts: list) -> list[jax.Arr
     (``chain.merge_shards``).
     """
     groups: dict[tuple, list[int]] = {}
-    for k, graft in enumerate(grafts):
-        if graft is not None:
-            groups.setdefault((graft.shape, layouts[k].mesh_axes), []).append(k)
+    for k, part in enumerate(parts):
+        if part is not None:
+            groups.setdefault((part.shape, layouts[k].mesh_axes), []).append(k)
     across: dict[tuple[str, ...], list[tuple[list[int], jax.Array, jax.Array]]] = {}
     for (_, axes), members in groups.items():
         for start in range(0, len(members), _GRAFT_GROUP):
-            part = members[start : start + _GRAFT_GROUP]
-            stacked = jnp.stack([grafts[k] for k in part])  # (tensors, 4, tiles)
+            group = members[start : start + _GRAFT_GROUP]
+            stacked = jnp.stack([parts[k] for k in group])  # (tensors, 2 pairs, tiles)
             top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], axis=2)
-            across.setdefault(axes, []).append((part, top, total))
-    pairs = {
-        axes: tuple(jnp.concatenate(x) for x in zip(*((t, s) for _, t, s in parts), strict=True))
-        for axes, parts in across.items()
+            across.setdefault(axes, []).append((group, top, total))
+    # Per set of axes, every tensor's pairs flat (tensors with 2 and with 3 pairs side by side);
+    # the sharded sets' all in one all-reduce.
+    flat = {
+        axes: tuple(jnp.concatenate([entry[i].reshape(-1) for entry in entries]) for i in (1, 2))
+        for axes, entries in across.items()
     }
-    sharded = {axes: pair for axes, pair in pairs.items() if axes}
+    sharded = {axes: pair for axes, pair in flat.items() if axes}
     if sharded:
-        pairs.update(merge_shards(sharded))
-    ratios = list(grafts)
-    for axes, parts in across.items():
-        top, total = pairs[axes]
-        norm = top * jnp.sqrt(total)  # (tensors, 2): Adam's direction's and u's
-        ratio = _graft_ratio((norm[:, 0], norm[:, 1]))
-        members = [k for part, _, _ in parts for k in part]
-        for i, k in enumerate(members):
-            ratios[k] = ratio[i]
-    return ratios
+        flat.update(merge_shards(sharded))
+    merged: list[tuple | None] = [None] * len(parts)
+    for axes, groups_of_axes in across.items():
+        scales, sums = flat[axes]
+        offset = 0
+        for group, top, _ in groups_of_axes:
+            width = top.shape[1]
+            for k in group:
+                merged[k] = (scales[offset : offset + width], sums[offset : offset + width])
+                offset += width
+    return merged
+
+
+def _graft_ratios(pairs: list[tuple | None], hyper: Hyper) -> list[jax.Array | None]:
+    """Each tensor's ``||adam|| / ||u||`` from its merged pairs (:func:`_merged_pairs`); ``None``
+    without grafting or pairs."""
+    if hyper.graft != "adam":
+        return [None] * len(pairs)
+    return [
+        None if pair is None else _graft_ratio(tuple(pair[0][:2] * jnp.sqrt(pair[1][:2])))
+        for pair in pairs
+    ]
+
+
+def _diag_scale(pair: tuple | None, layout: ChainLayout, hyper: Hyper, diag: Any) -> Any:
+    """A relative damping's scale for the next step from this step's merged pairs: the mean of
+    ``d_hat`` (``"mean"``: ``||sqrt(d_hat)||^2 / size``) or its largest entry (``"max"``: the
+    square of the pair's scale); ``diag`` unchanged otherwise."""
+    if pair is None or isinstance(diag, optax.MaskedNode) or hyper.damping == "absolute":
+        return diag
+    scale, total = pair[0][2], pair[1][2]
+    value = scale * scale if hyper.damping == "max" else scale * scale * total / _size(layout)
+    return value.astype(diag.dtype)
+
+
+def _size(layout: ChainLayout) -> int:
+    return math.prod(layout.shape)
 
 
 def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
@@ -474,32 +511,47 @@ class ApplyArgs(NamedTuple):
 def make_step(
     hyper: Hyper, mesh: Any, param_specs: Any, implementation: str, kernel_config: KernelConfig
 ) -> Callable:
-    """The whole-tree step ``(updates, m, d, e, ratio, corrections, apply) -> (out, m, d, e,
-    ratio)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with ``apply``
-    (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft ratio before
-    the step (:func:`_ratio_before_step`), else ``pointwise.apply_update`` of ``u`` on XLA."""
+    """The whole-tree step ``(updates, m, d, e, ratio, diag, corrections, apply) -> (out, m, d,
+    e, ratio, diag)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with
+    ``apply`` (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft
+    ratio before the step (:func:`_ratio_before_step`), else ``pointwise.apply_update`` of ``u``
+    on XLA. ``ratio`` (``graft_lag``'s) and ``diag`` (a relative damping's scale,
+    :func:`_damped`) are per-tensor scalars, ``optax.MaskedNode`` where unused."""
     kernels = kernels_enabled(implementation, mesh, kernel_config)
 
-    def tree_step(updates, m, d, e, ratio, corrections, layouts, apply=None):
+    def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)
-        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
+        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, diag, layouts)]
         n = len(leaves[0])
         params, decayed = (
             [treedef.flatten_up_to(x) for x in (apply.params, apply.decayed)]
             if apply is not None
             else ([None] * n, [None] * n)
         )
-        halos = _halos(leaves[1], leaves[2], leaves[3], leaves[5], hyper, kernels)
+        layouts = leaves[6]
+        halos = _halos(*leaves[1:4], layouts, hyper, kernels)
         edges = _edges(leaves, hyper, kernels)
         fused_apply = [
             _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
-            for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
+            for ei, lagged, lay, p, flag in zip(
+                leaves[3], leaves[4], layouts, params, decayed, strict=True
+            )
         ]
         steps = _leaf_steps(leaves, halos, edges, fused_apply, corrections, hyper, kernels)
-        ratios = _graft_ratios([step[4] for step in steps], leaves[5])
-        out: list[list[Any]] = [[] for _ in range(5)]
-        for g, step, fresh, lagged, p, flag, leaf_apply in zip(
-            leaves[0], steps, ratios, leaves[4], params, decayed, fused_apply, strict=True
+        pairs = _merged_pairs([step[4] for step in steps], layouts)
+        ratios = _graft_ratios(pairs, hyper)
+        out: list[list[Any]] = [[] for _ in range(6)]
+        for g, step, fresh, lagged, pair, scale, lay, p, flag, leaf_apply in zip(
+            leaves[0],
+            steps,
+            ratios,
+            leaves[4],
+            pairs,
+            *leaves[5:],
+            params,
+            decayed,
+            fused_apply,
+            strict=True,
         ):
             if leaf_apply is not None:  # the kernel wrote the parameters
                 x, lagged = step[0], _next_lagged(fresh, lagged)
@@ -509,19 +561,20 @@ def make_step(
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
-            for k, y in enumerate((x, *step[1:4], lagged)):
+            scale = _diag_scale(pair, lay, hyper, scale)
+            for k, y in enumerate((x, *step[1:4], lagged, scale)):
                 out[k].append(y)
         return tuple(jax.tree.unflatten(treedef, y) for y in out)
 
     if mesh is None:
 
-        def step(updates, m, d, e, ratio, corrections, apply=None):
+        def step(updates, m, d, e, ratio, diag, corrections, apply=None):
             explicit = _explicit_mesh(updates)
             if explicit is not None:  # the arrays' types say how they are split
                 sharded = sharding.sharded_step(tree_step, explicit, sharding.specs_of(updates))
-                return sharded(updates, m, d, e, ratio, corrections, apply)
+                return sharded(updates, m, d, e, ratio, diag, corrections, apply)
             layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
-            return tree_step(updates, m, d, e, ratio, corrections, layouts, apply)
+            return tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply)
 
         return step
 

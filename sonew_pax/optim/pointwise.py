@@ -27,7 +27,7 @@ class Hyper(NamedTuple):
 
     ``eps`` is the damping added to the bias-corrected diagonal: with ``damping="absolute"`` as
     given; otherwise the engine replaces it per tensor (``engine._damped``) before these functions
-    see it.
+    see it, and the steps then also give the norm pair of :func:`diagonal_root`.
     """
 
     b1: Any
@@ -75,10 +75,15 @@ def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
     return m, d
 
 
+def diagonal_root(d: jax.Array, corrections) -> jax.Array:
+    """``sqrt(d_hat)``: its norm pair gives ``sum d_hat`` and ``max d_hat`` (a relative
+    damping's scale) with the grafting norms' reduction."""
+    return jnp.sqrt(d * _factors(corrections)[1])
+
+
 def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: Hyper) -> jax.Array:
     """``m_hat / (sqrt(d_hat) + graft_eps)``: the direction SONew's is grafted onto."""
-    c1, c2 = _factors(corrections)
-    return (m * c1) / (jnp.sqrt(d * c2) + hyper.graft_eps)
+    return (m * _factors(corrections)[0]) / (diagonal_root(d, corrections) + hyper.graft_eps)
 
 
 def diagonal_step(raw: Raw, corrections, hyper: Hyper) -> Step:

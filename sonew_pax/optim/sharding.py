@@ -4,7 +4,7 @@ Each device updates only its block of every parameter, gradient and statistic. T
 products ``g_i g_{i+k}``, the banded solve and ``u = X m`` fetch thin halos from the neighbouring
 shards along each sharded axis (``ppermute``, see ``chain.shift``); the grafting norms are local
 pairs merged across shards after one ``psum`` (``chain.merge_shards``), so the lagged graft
-ratios (``graft_lag``) are replicated. Nothing is
+ratios (``graft_lag``) and a relative damping's scales are replicated. Nothing is
 gathered, so the compiled update holds collective-permutes and all-reduces only, and it equals the
 single-device update.
 """
@@ -21,7 +21,11 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from sonew_pax.optim.chain import ChainLayout
-from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
+from sonew_pax.optim.state import (
+    ScaleBySONewDampedState,
+    ScaleBySONewLagState,
+    ScaleBySONewState,
+)
 
 
 def _is_spec(x: Any) -> bool:
@@ -218,7 +222,7 @@ def sharded_step(
     parameters are sharded like the gradients and the step returns them in place of ``u``.
     """
 
-    def step(updates, m, d, e, ratio, corrections, apply=None):
+    def step(updates, m, d, e, ratio, diag, corrections, apply=None):
         specs = jax.tree.map(lambda s: P() if s is None else s, param_specs, is_leaf=_is_spec)
         try:
             paths_and_specs = jax.tree.map_with_path(
@@ -242,25 +246,25 @@ def sharded_step(
             e,
             is_leaf=_is_spec,
         )
-        inputs = [updates, m, d, e, ratio, corrections]
-        in_specs = [specs, specs, specs, e_specs, P(), (P(), P())]
+        inputs = [updates, m, d, e, ratio, diag, corrections]
+        in_specs = [specs, specs, specs, e_specs, P(), P(), (P(), P())]
         if apply is not None:
             inputs += [apply.params, apply.scale, apply.weight_decay]
             in_specs += [specs, P(), P()]
 
-        def local(u, mi, di, ei, ri, c, *applied):
+        def local(u, mi, di, ei, ri, si, c, *applied):
             # The flags are static: they stay out of shard_map's arguments.
             here = None
             if applied:
                 params, scale, weight_decay = applied
                 here = apply._replace(params=params, scale=scale, weight_decay=weight_decay)
-            return tree_step(u, mi, di, ei, ri, c, layouts, here)
+            return tree_step(u, mi, di, ei, ri, si, c, layouts, here)
 
         return jax.shard_map(
             local,
             mesh=mesh,
             in_specs=tuple(in_specs),
-            out_specs=(specs, specs, specs, e_specs, P()),
+            out_specs=(specs, specs, specs, e_specs, P(), P()),
             check_vma=check_vma,
         )(*inputs)
 
@@ -298,7 +302,7 @@ def state_partition_specs(opt_state: Any, param_specs: Any) -> Any:
     return _state_specs(opt_state, param_specs)
 
 
-def _sonew_specs(node: ScaleBySONewState | ScaleBySONewLagState, param_specs: Any) -> Any:
+def _sonew_specs(node: Any, param_specs: Any) -> Any:
     """The specs of a SONew state's ``count``, ``m``, ``d`` and ``e``, as a ScaleBySONewState."""
     return ScaleBySONewState(
         count=P(),
@@ -314,9 +318,12 @@ def _sonew_specs(node: ScaleBySONewState | ScaleBySONewLagState, param_specs: An
 
 
 def _state_specs(node: Any, param_specs: Any) -> Any:
+    replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    if isinstance(node, ScaleBySONewDampedState):
+        specs = _sonew_specs(node, param_specs)
+        return ScaleBySONewDampedState(*specs, replicated(node.ratio), replicated(node.diag))
     if isinstance(node, ScaleBySONewLagState):
-        ratio = jax.tree.map(lambda _: P(), node.ratio)
-        return ScaleBySONewLagState(*_sonew_specs(node, param_specs), ratio=ratio)
+        return ScaleBySONewLagState(*_sonew_specs(node, param_specs), replicated(node.ratio))
     if isinstance(node, ScaleBySONewState):
         return _sonew_specs(node, param_specs)
     if _param_like(node, param_specs) and jax.tree.leaves(node):

@@ -44,7 +44,11 @@ from sonew_pax.optim import sharding
 from sonew_pax.optim.engine import IMPLEMENTATIONS, ApplyArgs, make_step, preconditioned
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.pointwise import Hyper
-from sonew_pax.optim.state import ScaleBySONewLagState, ScaleBySONewState
+from sonew_pax.optim.state import (
+    ScaleBySONewDampedState,
+    ScaleBySONewLagState,
+    ScaleBySONewState,
+)
 from sonew_pax.optim.transform import GradientTransformationWithApply
 
 GRAFTS = ("adam", "none")
@@ -169,6 +173,13 @@ def _is_none(x: Any) -> bool:
     return x is None
 
 
+State = ScaleBySONewState | ScaleBySONewLagState | ScaleBySONewDampedState
+
+
+def _masked(_: Any) -> optax.MaskedNode:
+    return optax.MaskedNode()
+
+
 def scale_by_sonew(
     b1: float = 0.9,
     b2: float = 0.95,
@@ -248,10 +259,13 @@ def scale_by_sonew(
         adds ``eps`` times the mean of the tensor's bias-corrected diagonal ``d_hat``, ``"max"``
         times its largest entry (the paper's analysis takes the damping proportional to the
         gradients' bound, Theorem 3). A relative damping makes the grafted update independent
-        of the gradients' scale. It costs a pass over ``g`` and ``d`` before the step (across
-        shards one more all-reduce per tensor; each kernel reads its tensor's ``eps`` from its
-        launch's scalar input), and a non-finite gradient entry makes the whole tensor's update
-        non-finite.
+        of the gradients' scale. The statistic is the previous step's (a lag of one step), kept
+        per tensor in the state (a :class:`ScaleBySONewDampedState`): each step's norm pairs,
+        which the grafting norms' reduction and all-reduce merge, give it for the next step, so
+        it costs no pass over memory and no message of its own. The first step, with no
+        statistic yet, has an infinite damping: its direction is zero and only the moments
+        accumulate (as a tensor's steps until its first nonzero gradient). A non-finite gradient
+        entry makes the tensor's later updates non-finite everywhere.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
@@ -285,11 +299,12 @@ def scale_by_sonew(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
         )
     static_band = _static_band(band)
+    relative = damping != "absolute"
     stats_dtype = _as_dtype(stats_dtype)
     mu_dtype = stats_dtype if mu_dtype is None else _as_dtype(mu_dtype)
     offdiag_dtype = stats_dtype if offdiag_dtype is None else _as_dtype(offdiag_dtype)
 
-    def init_fn(params: optax.Params) -> ScaleBySONewState | ScaleBySONewLagState:
+    def init_fn(params: optax.Params) -> State:
         if static_band is None:
             raise ValueError(
                 "band must be a concrete int when the state is initialised: it decides the "
@@ -307,7 +322,8 @@ def scale_by_sonew(
                 return optax.MaskedNode()
             return sharding.zeros_beside(p, offdiag_dtype, at, band=static_band)
 
-        def lagged_ratio(p: jax.Array) -> Any:
+        def per_tensor(p: jax.Array) -> Any:
+            """A zero scalar for a preconditioned tensor (``ratio``, ``diag``)."""
             if not preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
             return sharding.zeros((), stats_dtype, scalar)
@@ -319,42 +335,49 @@ def scale_by_sonew(
             d=jax.tree.map(like(stats_dtype), params, where, is_leaf=_is_none),
             e=jax.tree.map(off_diagonals, params, where, is_leaf=_is_none),
         )
-        if not graft_lag:
-            return state
-        return ScaleBySONewLagState(*state, ratio=jax.tree.map(lagged_ratio, params))
+        ratio = jax.tree.map(per_tensor if graft_lag else _masked, params)
+        if relative:
+            return ScaleBySONewDampedState(*state, ratio, jax.tree.map(per_tensor, params))
+        return ScaleBySONewLagState(*state, ratio) if graft_lag else state
 
     def advance(updates, state, apply: ApplyArgs | None):
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
         step = make_step(hyper, mesh, param_specs, implementation, kernel_config)
-        # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio.
-        ratio = state.ratio if graft_lag else jax.tree.map(lambda _: optax.MaskedNode(), updates)
-        out, m, d, e, ratio = step(updates, state.m, state.d, state.e, ratio, corrections, apply)
-        if not graft_lag:
-            return out, ScaleBySONewState(count, m, d, e)
-        return out, ScaleBySONewLagState(count, m, d, e, ratio)
+        # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio;
+        # likewise without a relative damping's scales.
+        ratio = state.ratio if graft_lag else jax.tree.map(_masked, updates)
+        diag = state.diag if relative else jax.tree.map(_masked, updates)
+        out, m, d, e, ratio, diag = step(
+            updates, state.m, state.d, state.e, ratio, diag, corrections, apply
+        )
+        if relative:
+            return out, ScaleBySONewDampedState(count, m, d, e, ratio, diag)
+        if graft_lag:
+            return out, ScaleBySONewLagState(count, m, d, e, ratio)
+        return out, ScaleBySONewState(count, m, d, e)
 
     def update_fn(
         updates: optax.Updates,
-        state: ScaleBySONewState | ScaleBySONewLagState,
+        state: State,
         params: optax.Params | None = None,
         **extra_args: Any,
-    ) -> tuple[optax.Updates, ScaleBySONewState | ScaleBySONewLagState]:
+    ) -> tuple[optax.Updates, State]:
         del params, extra_args
         _check_real_floats(updates, "gradients")
         return advance(updates, state, None)
 
     def apply_fn(
         updates: optax.Updates,
-        state: ScaleBySONewState | ScaleBySONewLagState,
+        state: State,
         params: optax.Params,
         *,
         scale: Any = 1.0,
         weight_decay: Any = 0.0,
         mask: Any = None,
         **extra_args: Any,
-    ) -> tuple[optax.Params, ScaleBySONewState | ScaleBySONewLagState]:
+    ) -> tuple[optax.Params, State]:
         del extra_args
         _check_real_floats(updates, "gradients")
         numbers = (jnp.asarray(x, stats_dtype) for x in (scale, weight_decay))
@@ -427,7 +450,8 @@ def sonew(
       graft_lag: scale by the previous step's graft ratio (lets the kernels apply the update).
       kernel_config: how the GPU kernels tile and launch (``kernels.KernelConfig``).
       damping: ``"absolute"`` (``eps`` as given), or ``eps`` relative to each tensor's
-        bias-corrected diagonal: its ``"mean"`` or ``"max"``.
+        bias-corrected diagonal at the previous step: its ``"mean"`` or ``"max"`` (the first
+        update is then zero).
 
       :func:`scale_by_sonew` says more of each.
 

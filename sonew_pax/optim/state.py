@@ -44,3 +44,27 @@ class ScaleBySONewLagState(NamedTuple):
     d: optax.Updates
     e: optax.Updates
     ratio: optax.Updates
+
+
+class ScaleBySONewDampedState(NamedTuple):
+    """State of :func:`scale_by_sonew` with a relative damping (``damping="mean"`` or ``"max"``).
+
+    Attributes:
+      count: as in :class:`ScaleBySONewState`.
+      m: as in :class:`ScaleBySONewState`.
+      d: as in :class:`ScaleBySONewState`.
+      e: as in :class:`ScaleBySONewState`.
+      ratio: with ``graft_lag``, as in :class:`ScaleBySONewLagState`; otherwise
+        ``optax.MaskedNode()`` for every tensor.
+      diag: the mean (or largest entry) of the tensor's bias-corrected diagonal ``d_hat`` at the
+        last step, a ``stats_dtype`` scalar per preconditioned tensor (``0`` before the first
+        step): the next step's damping is ``eps`` times it. ``optax.MaskedNode()`` for tensors
+        that take Adam's direction.
+    """
+
+    count: chex.Array
+    m: optax.Updates
+    d: optax.Updates
+    e: optax.Updates
+    ratio: optax.Updates
+    diag: optax.Updates

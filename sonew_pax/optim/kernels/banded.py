@@ -38,6 +38,7 @@ def banded_kernel(
     shape,
     band,
     graft,
+    diag_pair,
     rows,
     cols,
     apply,
@@ -71,7 +72,8 @@ def banded_kernel(
     and window solved once. The state is updated in place; the walk reads the state of other
     chunks' rows from the halo copies (:func:`band_halo_rows`), taken before the step. With
     ``apply`` (:class:`Apply`) the kernel reads the parameters (``StepRefs.p``) at row ``i`` and
-    writes the new ones there (in place) instead of ``u``.
+    writes the new ones there (in place) instead of ``u``. The norm pairs are Adam's direction's
+    and ``u``'s, then with ``diag_pair`` ``sqrt(d_hat)``'s.
     """
     named = StepRefs.of(refs, apply)
     b = band
@@ -199,9 +201,10 @@ def banded_kernel(
         at_i = vertex_i * num_cols + c
         p_i = None if named.p is None else read(named.p, at_i, mine(vertex_i))
         write(named.out, at_i, output(scalars_ref, named.ratio, u, p_i, decayed), mine(vertex_i))
+        normed = ((adam, t), (u, vertex_i))
+        normed += ((pointwise.diagonal_root(v.d, corrections), t),) * diag_pair
         pairs = tuple(
-            running_pair(pair, x, mine(r))
-            for pair, x, r in zip(pairs, (adam, u), (t, vertex_i), strict=True)
+            running_pair(pair, x, mine(r)) for pair, (x, r) in zip(pairs, normed, strict=True)
         )
         return (
             loaded,
@@ -225,7 +228,7 @@ def banded_kernel(
         ((zero + 1, (zero,) * b),) * (b - 1),  # the solve of a window of zeros
         (zero,) * (b - 1),
         (zero,) * b,
-        ((floor, zero),) * 2,
+        ((floor, zero),) * (2 + diag_pair),
     )
     # Rows first - b ... last + 2b - 1, in three loops: the middle one loads rows t + 1 whose
     # values are all the chunk's own (most of the walk) without choosing, the others choose row by

@@ -10,9 +10,12 @@ from sonew_pax.optim.kernels.geometry import tile_view
 from sonew_pax.optim.kernels.program import numbers, output, write_parts
 
 
-def diagonal_kernel(scalars_ref, *refs, shape, graft, rows, cols, apply, decayed, program, tensor):
+def diagonal_kernel(
+    scalars_ref, *refs, shape, graft, diag_pair, rows, cols, apply, decayed, program, tensor
+):
     """One ``rows x cols`` tile of the view: the diagonal step (band 0; with ``apply``, reading
-    ``p_ref`` and writing the new parameters in ``u``'s place)."""
+    ``p_ref`` and writing the new parameters in ``u``'s place; with ``diag_pair`` the norm pair
+    of ``sqrt(d_hat)`` after those of Adam's direction and ``u``)."""
     inputs = 3 + 2 * apply
     g_ref, m_ref, d_ref = refs[:3]
     out_ref, m_out, d_out, parts_ref = refs[inputs:]
@@ -37,5 +40,6 @@ def diagonal_kernel(scalars_ref, *refs, shape, graft, rows, cols, apply, decayed
     for ref, x in ((m_out, step.m), (d_out, step.d)):
         plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid)
     ones = jnp.ones(valid.shape, compute)
-    pairs = [(jnp.where(valid, jnp.abs(x), 0), ones) for x in (step.adam, step.u)]
+    normed = [step.adam, step.u] + [pointwise.diagonal_root(step.d, corrections)] * diag_pair
+    pairs = [(jnp.where(valid, jnp.abs(x), 0), ones) for x in normed]
     write_parts(parts_ref, i, j, pairs)

@@ -55,8 +55,9 @@ def leaf_update(
     ``scan.scan_kernel``, bands >= 2 ``banded.banded_kernel``. Returns ``(u, m, d, e, parts)``:
     the ungrafted direction in ``d``'s dtype, the new state in the stored dtypes, and per tile
     the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
-    tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u`` (``None`` unless ``hyper.graft ==
-    "adam"``; each row contiguous, so XLA reduces along the minor axis); see
+    tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u``, then with a relative damping
+    (``hyper.damping``) those of ``sqrt(d_hat)`` (``(6, tiles)``); ``None`` without them (no
+    grafting, absolute damping). Each row is contiguous, so XLA reduces along the minor axis; see
     ``chain.merge_pairs``.
 
     Bands >= 1 read the halo rows of ``(m, d, e)`` (``halo.band_halo_rows``) from ``halos``
@@ -153,10 +154,12 @@ def group_update(
         if applied is not None:
             params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]
         inputs += [g.reshape(-1), *(x.reshape(-1) for x in state), *extra, *params]
+    diag_pair = hyper.damping != "absolute"
     step = step_call(
         shape,
         band,
         hyper.graft,
+        diag_pair,
         (rows, cols, num_warps),
         dtypes[1:],  # the state's
         kernel,
@@ -174,7 +177,7 @@ def group_update(
         u, *new_state, parts = outputs[k * per : (k + 1) * per]
         m_new, d_new = (x.reshape(shape) for x in new_state[:2])
         e_new = new_state[2].reshape(e.shape) if band else e
-        parts = parts.reshape(4, -1) if hyper.graft == "adam" else None
+        parts = parts.reshape(4 + 2 * diag_pair, -1) if hyper.graft == "adam" or diag_pair else None
         steps.append((u.reshape(shape), m_new, d_new, e_new, parts))
     return steps
 
@@ -184,6 +187,7 @@ def step_call(
     shape,
     band,
     graft,
+    diag_pair,
     tile,
     state_dtypes,
     kernel,
@@ -196,7 +200,8 @@ def step_call(
 ) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"diagonal"``, ``"scan"`` with ``walks = (stack, ahead)``:
     ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
-    for one static configuration (with the fused apply when ``apply`` is the parameters' ``(dtype,
+    for one static configuration (``diag_pair``: whether the norm pairs include ``sqrt(d_hat)``'s;
+    with the fused apply when ``apply`` is the parameters' ``(dtype,
     decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
     parameters; ``count``: tensors per launch, :func:`group_update`; ``contract``: whether the
     kernel's ``fma.madd`` are fused multiply-adds), jitted and cached: the tensors of one shape
@@ -211,7 +216,7 @@ def step_call(
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
     sizes = (size, size, max(band, 1) * size)[: len(state_dtypes)]  # m, d and e
     outputs += [jax.ShapeDtypeStruct((n,), t) for n, t in zip(sizes, state_dtypes, strict=True)]
-    outputs.append(jax.ShapeDtypeStruct((4, *grid), compute))
+    outputs.append(jax.ShapeDtypeStruct((4 + 2 * diag_pair, *grid), compute))
     # Per tensor, after the scalars: g, the state, the halo inputs and with ``apply`` the
     # parameters and their ratio. The state's inputs are its outputs' buffers; so are the
     # parameters' with ``apply``.
@@ -223,7 +228,13 @@ def step_call(
         if apply:
             aliases[first_in + 1 + len(state_dtypes) + halo_inputs] = first_out
     static = dict(
-        shape=shape, graft=graft, rows=rows, cols=cols, apply=bool(apply), decayed=decayed
+        shape=shape,
+        graft=graft,
+        diag_pair=diag_pair,
+        rows=rows,
+        cols=cols,
+        apply=bool(apply),
+        decayed=decayed,
     )
     if kernel == "scan":
         body, name = scan.scan_kernel, "sonew_band1_scan"

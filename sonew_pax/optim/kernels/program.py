@@ -101,7 +101,7 @@ def output(scalars_ref, ratio_ref, u, p, decayed: bool):
 
 
 def write_parts(parts_ref, i, j, pairs) -> None:
-    """Program ``(i, j)``'s norm pairs of Adam's direction and of ``u`` from per-lane pairs
+    """Program ``(i, j)``'s norm pairs (Adam's direction's, ``u``'s, ...) from per-lane pairs
     ``(scale, sum (x / scale)^2)``: rescaled to the largest scale and added (as
     ``chain.merge_pairs``). The scale is at least the smallest normal number
     (:func:`scale_floor`)."""

@@ -35,6 +35,7 @@ def scan_kernel(
     *refs,
     shape,
     graft,
+    diag_pair,
     rows,
     cols,
     stack,
@@ -60,7 +61,8 @@ def scan_kernel(
     walk does not wait on each row's load. After the barrier a lane writes only
     rows it has read (``stack x cols`` must cover the warps' lanes: no lane's element is
     another's). With ``apply`` (:class:`Apply`) the parameters (``StepRefs.p``) are read with
-    the other arrays and ``StepRefs.out`` takes the new parameters, else ``u``.
+    the other arrays and ``StepRefs.out`` takes the new parameters, else ``u``. The tiles' norm
+    pairs are Adam's direction's and ``u``'s, then with ``diag_pair`` ``sqrt(d_hat)``'s.
     """
     named = StepRefs.of(refs, apply)
     num_rows, num_cols = tile_view(shape)
@@ -151,10 +153,11 @@ def scan_kernel(
         out = output(scalars_ref, named.ratio, u, p_here, decayed)
         for ref, x in ((named.out, out), (named.m, here.m), (named.d, here.d), (named.e, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
-        pairs = tuple(running_pair(p, x, valid) for p, x in zip(pairs, (adam, u), strict=True))
+        normed = (adam, u) + (pointwise.diagonal_root(here.d, corrections),) * diag_pair
+        pairs = tuple(running_pair(p, x, valid) for p, x in zip(pairs, normed, strict=True))
         return after, e_next, p_next, (lower, z), queue, pairs
 
     floor = jnp.full((stack, cols), scale_floor(compute), compute)
-    init = (here, e_first, p_first, (lower, z), queue, ((floor, zero),) * 2)
+    init = (here, e_first, p_first, (lower, z), queue, ((floor, zero),) * (2 + diag_pair))
     *_, pairs = jax.lax.fori_loop(0, rows // stack, body, init)
     write_parts(named.parts, i, j, pairs)
