@@ -12,7 +12,8 @@ per shard) the step runs
   for bands 0 and 1, ``solve.precondition`` for wider bands.
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
-ratios for all tensors together, across shards in one all-reduce (:func:`_graft_ratios`).
+ratios (and a relative damping's scales) for all tensors together, across shards in one
+all-reduce (:func:`_norm_results`).
 
 Both run the same ``pointwise`` and ``solve`` math, so they agree to float rounding.
 """
@@ -25,6 +26,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from sonew_pax.optim import kernels as pallas
@@ -196,7 +198,7 @@ def _leaf_step(
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
     ``graft`` is ``None`` when nothing is grafted, else the local norm pairs of Adam's direction
     and of ``u`` as ``(4, 1)`` (``chain.norm_pairs``): the kernels' per-tile pairs with one tile,
-    which :func:`_graft_ratios` merges with every other tensor's.
+    which :func:`_norm_results` merges with every other tensor's.
     """
     raw = _raw(g, m, d)
     if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
@@ -300,7 +302,7 @@ def _damped(hyper: Hyper, diag: Any) -> Hyper:
     """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``"absolute"`` keeps
     ``eps``; a relative damping multiplies it by ``diag``, the mean (``"mean"``) or largest entry
     (``"max"``) of the tensor's bias-corrected diagonal ``d_hat`` at the previous step (the
-    state's, which the step's norm pairs give at no extra pass or message: :func:`_diag_scale`),
+    state's, which the step's norm pairs give at no extra pass or message: :func:`_diag_scales`),
     at least the smallest normal number. While ``diag`` is 0 (no step yet, or only zero
     gradients) the damping is infinite: ``u = 0``, the moments accumulate.
 
@@ -382,16 +384,19 @@ def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> 
 _GRAFT_GROUP = 32
 
 
-def _merged_pairs(parts: list[jax.Array | None], layouts: list) -> list[tuple | None]:
-    """Each tensor's norm pairs ``(scales, sums)`` (each of shape ``(pairs,)``; ``None`` where it
-    has none) merged over its tiles and shards, from :func:`_leaf_steps`' local pairs ``(2
-    pairs, tiles)`` of the kernels' tiles, or of the XLA step (one tile).
+def _norm_results(
+    parts: list[jax.Array | None], layouts: list, hyper: Hyper
+) -> tuple[list[jax.Array | None], list[jax.Array | None]]:
+    """Each tensor's graft ratio ``||adam|| / ||u||`` (``None`` without grafting) and a relative
+    damping's scale for the next step (:func:`_diag_scales`; ``None`` with the absolute one) from
+    :func:`_leaf_steps`' local norm pairs ``(2 pairs, tiles)`` of the kernels' tiles, or of the XLA
+    step (one tile); ``None`` for tensors without pairs.
 
     The pairs are merged over the tiles (``chain.merge_pairs``) for the tensors of one shape
     together (up to ``_GRAFT_GROUP`` at a time, over their stacked pairs): a model's update
     launches a few reductions instead of several small ones per tensor. The sharded tensors' pairs
     are then merged across their shards, those of every set of mesh axes in one all-reduce
-    (``chain.merge_shards``).
+    (``chain.merge_shards``), and the ratios and scales of each set are computed together.
     """
     groups: dict[tuple, list[int]] = {}
     for k, part in enumerate(parts):
@@ -404,51 +409,48 @@ def _merged_pairs(parts: list[jax.Array | None], layouts: list) -> list[tuple | 
             stacked = jnp.stack([parts[k] for k in group])  # (tensors, 2 pairs, tiles)
             top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], axis=2)
             across.setdefault(axes, []).append((group, top, total))
-    # Per set of axes, every tensor's pairs flat (tensors with 2 and with 3 pairs side by side);
-    # the sharded sets' all in one all-reduce.
-    flat = {
-        axes: tuple(jnp.concatenate([entry[i].reshape(-1) for entry in entries]) for i in (1, 2))
+    # Every preconditioned tensor has as many pairs (the damping is the update's), so each set's
+    # pairs stack as (tensors, pairs).
+    pairs = {
+        axes: tuple(jnp.concatenate(x) for x in zip(*((t, s) for _, t, s in entries), strict=True))
         for axes, entries in across.items()
     }
-    sharded = {axes: pair for axes, pair in flat.items() if axes}
+    sharded = {axes: pair for axes, pair in pairs.items() if axes}
     if sharded:
-        flat.update(merge_shards(sharded))
-    merged: list[tuple | None] = [None] * len(parts)
-    for axes, groups_of_axes in across.items():
-        scales, sums = flat[axes]
-        offset = 0
-        for group, top, _ in groups_of_axes:
-            width = top.shape[1]
-            for k in group:
-                merged[k] = (scales[offset : offset + width], sums[offset : offset + width])
-                offset += width
-    return merged
+        pairs.update(merge_shards(sharded))
+    ratios: list[jax.Array | None] = [None] * len(parts)
+    scales: list[jax.Array | None] = [None] * len(parts)
+    for axes, entries in across.items():
+        top, total = pairs[axes]
+        members = [k for group, _, _ in entries for k in group]
+        norm = top * jnp.sqrt(total)
+        ratio = _graft_ratio((norm[:, 0], norm[:, 1])) if hyper.graft == "adam" else None
+        scale = _diag_scales(top, total, [layouts[k] for k in members], hyper)
+        for i, k in enumerate(members):
+            ratios[k] = None if ratio is None else ratio[i]
+            scales[k] = None if scale is None else scale[i]
+    return ratios, scales
 
 
-def _graft_ratios(pairs: list[tuple | None], hyper: Hyper) -> list[jax.Array | None]:
-    """Each tensor's ``||adam|| / ||u||`` from its merged pairs (:func:`_merged_pairs`); ``None``
-    without grafting or pairs."""
-    if hyper.graft != "adam":
-        return [None] * len(pairs)
-    return [
-        None if pair is None else _graft_ratio(tuple(pair[0][:2] * jnp.sqrt(pair[1][:2])))
-        for pair in pairs
-    ]
+def _diag_scales(top: jax.Array, total: jax.Array, layouts: list, hyper: Hyper) -> Any:
+    """A relative damping's scales for the next step (``None`` with the absolute one) from the
+    merged pairs ``(tensors, pairs)``, whose third is ``sqrt(d_hat)``'s: the mean of ``d_hat``
+    (``"mean"``: ``||sqrt(d_hat)||^2 / size``) or its largest entry (``"max"``: the square of
+    the pair's scale)."""
+    if hyper.damping == "absolute":
+        return None
+    square = top[:, 2] * top[:, 2]
+    if hyper.damping == "max":
+        return square
+    sizes = np.array([math.prod(lay.shape) for lay in layouts])
+    return square * total[:, 2] / sizes.astype(square.dtype)
 
 
-def _diag_scale(pair: tuple | None, layout: ChainLayout, hyper: Hyper, diag: Any) -> Any:
-    """A relative damping's scale for the next step from this step's merged pairs: the mean of
-    ``d_hat`` (``"mean"``: ``||sqrt(d_hat)||^2 / size``) or its largest entry (``"max"``: the
-    square of the pair's scale); ``diag`` unchanged otherwise."""
-    if pair is None or isinstance(diag, optax.MaskedNode) or hyper.damping == "absolute":
+def _next_diag(scale: jax.Array | None, diag: Any) -> Any:
+    """The relative damping's scale the state keeps: this step's (``scale``), else ``diag``."""
+    if scale is None or isinstance(diag, optax.MaskedNode):
         return diag
-    scale, total = pair[0][2], pair[1][2]
-    value = scale * scale if hyper.damping == "max" else scale * scale * total / _size(layout)
-    return value.astype(diag.dtype)
-
-
-def _size(layout: ChainLayout) -> int:
-    return math.prod(layout.shape)
+    return scale.astype(diag.dtype)
 
 
 def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
@@ -538,16 +540,15 @@ def make_step(
             )
         ]
         steps = _leaf_steps(leaves, halos, edges, fused_apply, corrections, hyper, kernels)
-        pairs = _merged_pairs([step[4] for step in steps], layouts)
-        ratios = _graft_ratios(pairs, hyper)
+        ratios, scales = _norm_results([step[4] for step in steps], layouts, hyper)
         out: list[list[Any]] = [[] for _ in range(6)]
-        for g, step, fresh, lagged, pair, scale, lay, p, flag, leaf_apply in zip(
+        for g, step, fresh, lagged, scale, diag, p, flag, leaf_apply in zip(
             leaves[0],
             steps,
             ratios,
             leaves[4],
-            pairs,
-            *leaves[5:],
+            scales,
+            leaves[5],
             params,
             decayed,
             fused_apply,
@@ -561,8 +562,7 @@ def make_step(
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
-            scale = _diag_scale(pair, lay, hyper, scale)
-            for k, y in enumerate((x, *step[1:4], lagged, scale)):
+            for k, y in enumerate((x, *step[1:4], lagged, _next_diag(scale, diag))):
                 out[k].append(y)
         return tuple(jax.tree.unflatten(treedef, y) for y in out)
 
