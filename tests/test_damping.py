@@ -150,3 +150,15 @@ def test_kernels_take_the_relative_damping(band, monkeypatch):
     # The kernels' norm pairs of sqrt(d_hat) give the next step's scale, as XLA's reduction does.
     for k in params:
         np.testing.assert_allclose(got_diag[k], want_diag[k], rtol=1e-6)
+
+
+@pytest.mark.parametrize("band", [0, 1, 2])
+def test_relative_damping_with_bf16_statistics(band):
+    """bf16 statistics: ``sqrt(d_hat)``'s norm pair joins the grafting norms' reduction in their
+    precision, and the steps after the first are finite and nonzero."""
+    params = {"w": jnp.ones((4, 3))}
+    tx = sonew(1.0, band=band, eps=0.1, damping="mean", stats_dtype=jnp.bfloat16)
+    state = tx.init(params)
+    for grads in _grads((4, 3), 2, seed=band):
+        u, state = tx.update({"w": grads.astype(jnp.float32)}, state, params)
+    assert bool(jnp.all(jnp.isfinite(u["w"]))) and bool(jnp.any(u["w"] != 0))

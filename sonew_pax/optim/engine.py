@@ -169,8 +169,8 @@ def _normed(step: Step, corrections, hyper: Hyper) -> list[jax.Array]:
     """The arrays whose norm pairs a step gives (:func:`_has_norms`), in the pairs' order: Adam's
     direction, ``u`` and, with a relative damping, ``sqrt(d_hat)`` (``pointwise.diagonal_root``)."""
     normed = [step.adam, step.u]
-    if hyper.damping != "absolute":
-        normed.append(pointwise.diagonal_root(step.d, corrections))
+    if hyper.damping != "absolute":  # in u's dtype: one reduction takes one precision
+        normed.append(pointwise.diagonal_root(step.d, corrections).astype(step.u.dtype))
     return normed
 
 
