@@ -230,7 +230,8 @@ def _leaf_steps(
     place), where the tensors of one ``kernels.launch_key`` share launches
     (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
     for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`; a
-    launch takes each of its tensors' own)."""
+    kernel takes its tensor's statistic, the state's scalar, and scales ``eps`` by it itself, so
+    every launch shares one scalar input)."""
     grads, m, d, e, _, diags, layouts = leaves
     hypers = [
         _damped(hyper, diag) if _has_chain(lay, hyper) else hyper
@@ -255,7 +256,7 @@ def _leaf_steps(
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
                 applies=[applies[k] for k in part],
-                eps=[hypers[k].eps for k in part],
+                diags=None if hyper.damping == "absolute" else [diags[k] for k in part],
                 config=kernels,
             )
             for k, result in zip(part, results, strict=True):
@@ -312,8 +313,7 @@ def _damped(hyper: Hyper, diag: Any) -> Hyper:
     """
     if hyper.damping == "absolute":
         return hyper
-    tiny = jnp.finfo(diag.dtype).tiny
-    return hyper._replace(eps=jnp.where(diag > 0, jnp.maximum(hyper.eps * diag, tiny), jnp.inf))
+    return hyper._replace(eps=pointwise.relative_eps(hyper.eps, diag))
 
 
 def _halos(

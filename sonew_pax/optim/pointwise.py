@@ -75,6 +75,14 @@ def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
     return m, d
 
 
+def relative_eps(eps: Any, diag: jax.Array) -> jax.Array:
+    """A relative damping: ``eps`` times ``diag`` (the tensor's mean or largest ``d_hat`` at the
+    previous step), at least the smallest normal number; infinite while ``diag`` is 0 (no step
+    yet, or only zero gradients), which makes the direction zero."""
+    tiny = jnp.finfo(diag.dtype).tiny
+    return jnp.where(diag > 0, jnp.maximum(eps * diag, tiny), jnp.inf)
+
+
 def diagonal_root(d: jax.Array, corrections) -> jax.Array:
     """``sqrt(d_hat)``: its norm pair gives ``sum d_hat`` and ``max d_hat`` (a relative
     damping's scale) with the grafting norms' reduction."""

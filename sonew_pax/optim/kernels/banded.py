@@ -38,13 +38,12 @@ def banded_kernel(
     shape,
     band,
     graft,
-    diag_pair,
+    relative,
     rows,
     cols,
     apply,
     decayed,
     program,
-    tensor,
 ):
     """Band ``b >= 2`` (Theorem 2, Algorithm 3) walking down a ``rows x cols`` block of the view.
 
@@ -73,16 +72,17 @@ def banded_kernel(
     chunks' rows from the halo copies (:func:`band_halo_rows`), taken before the step. With
     ``apply`` (:class:`Apply`) the kernel reads the parameters (``StepRefs.p``) at row ``i`` and
     writes the new ones there (in place) instead of ``u``. The norm pairs are Adam's direction's
-    and ``u``'s, then with ``diag_pair`` ``sqrt(d_hat)``'s.
+    and ``u``'s, then with ``relative`` (a relative damping, its statistic in ``StepRefs.diag``)
+    ``sqrt(d_hat)``'s.
     """
-    named = StepRefs.of(refs, apply)
+    named = StepRefs.of(refs, relative, apply)
     b = band
     num_rows, num_cols = tile_view(shape)
     size = num_rows * num_cols
     i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
-    hyper, corrections = numbers(scalars_ref, graft, tensor)
+    hyper, corrections = numbers(scalars_ref, graft, named.diag)
     compute = d_ref.dtype
     first, last = chunk_rows(i, rows, num_rows)
     span = 3 * b - 1  # halo rows per chunk, and the edges' rows (b above, 2b - 1 below)
@@ -202,7 +202,7 @@ def banded_kernel(
         p_i = None if named.p is None else read(named.p, at_i, mine(vertex_i))
         write(named.out, at_i, output(scalars_ref, named.ratio, u, p_i, decayed), mine(vertex_i))
         normed = ((adam, t), (u, vertex_i))
-        normed += ((pointwise.diagonal_root(v.d, corrections), t),) * diag_pair
+        normed += ((pointwise.diagonal_root(v.d, corrections), t),) * relative
         pairs = tuple(
             running_pair(pair, x, mine(r)) for pair, (x, r) in zip(pairs, normed, strict=True)
         )
@@ -228,7 +228,7 @@ def banded_kernel(
         ((zero + 1, (zero,) * b),) * (b - 1),  # the solve of a window of zeros
         (zero,) * (b - 1),
         (zero,) * b,
-        ((floor, zero),) * (2 + diag_pair),
+        ((floor, zero),) * (2 + relative),
     )
     # Rows first - b ... last + 2b - 1, in three loops: the middle one loads rows t + 1 whose
     # values are all the chunk's own (most of the walk) without choosing, the others choose row by

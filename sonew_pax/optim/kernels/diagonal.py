@@ -11,22 +11,24 @@ from sonew_pax.optim.kernels.program import numbers, output, write_parts
 
 
 def diagonal_kernel(
-    scalars_ref, *refs, shape, graft, diag_pair, rows, cols, apply, decayed, program, tensor
+    scalars_ref, *refs, shape, graft, relative, rows, cols, apply, decayed, program
 ):
-    """One ``rows x cols`` tile of the view: the diagonal step (band 0; with ``apply``, reading
-    ``p_ref`` and writing the new parameters in ``u``'s place; with ``diag_pair`` the norm pair
-    of ``sqrt(d_hat)`` after those of Adam's direction and ``u``)."""
-    inputs = 3 + 2 * apply
+    """One ``rows x cols`` tile of the view: the diagonal step (band 0). With ``relative`` it reads
+    its relative damping's statistic (``program.numbers``) and adds the norm pair of
+    ``sqrt(d_hat)`` after those of Adam's direction and ``u``; with ``apply`` it reads ``p_ref``
+    and writes the new parameters in ``u``'s place."""
+    inputs = 3 + relative + 2 * apply
     g_ref, m_ref, d_ref = refs[:3]
     out_ref, m_out, d_out, parts_ref = refs[inputs:]
-    p_ref, ratio_ref = refs[3:5] if apply else (None, None)
+    diag_ref = refs[3] if relative else None
+    p_ref, ratio_ref = refs[3 + relative : 5 + relative] if apply else (None, None)
     num_rows, num_cols = tile_view(shape)
     i, j = program
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     valid = (r < num_rows) & (c < num_cols)
     offset = r * num_cols + c
-    hyper, corrections = numbers(scalars_ref, graft, tensor)
+    hyper, corrections = numbers(scalars_ref, graft, diag_ref)
     compute = d_ref.dtype
 
     def here(ref):
@@ -40,6 +42,6 @@ def diagonal_kernel(
     for ref, x in ((m_out, step.m), (d_out, step.d)):
         plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid)
     ones = jnp.ones(valid.shape, compute)
-    normed = [step.adam, step.u] + [pointwise.diagonal_root(step.d, corrections)] * diag_pair
+    normed = [step.adam, step.u] + [pointwise.diagonal_root(step.d, corrections)] * relative
     pairs = [(jnp.where(valid, jnp.abs(x), 0), ones) for x in normed]
     write_parts(parts_ref, i, j, pairs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -89,7 +89,7 @@ def group_update(
     halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
     edges: list[Edges | None] | None = None,
     applies: list[Apply | None] | None = None,
-    eps: Sequence | None = None,
+    diags: list | None = None,
     config: KernelConfig = DEFAULT,
 ) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
     """:func:`leaf_update` of several tensors of one :func:`launch_key` (shape, dtypes, and all
@@ -97,8 +97,9 @@ def group_update(
     the grid gains an axis over the tensors and each program runs one tensor's kernel. A small
     tensor's kernel is short and its walk's first loads wait on memory before any row is
     computed; launched together, the tensors fill the GPU as one larger tensor does
-    (``geometry.launch_group``). ``eps``: each tensor's damping (``sonew``'s relative
-    dampings differ per tensor; default ``hyper.eps`` for all). Returns :func:`leaf_update`'s
+    (``geometry.launch_group``). ``diags``: with a relative damping (``hyper.damping``) each
+    tensor's statistic (the state's scalar), which its kernel reads to scale ``eps``
+    (``program.numbers``). Returns :func:`leaf_update`'s
     tuple per tensor, in order."""
     count = len(gs)
     halos = halos or [None] * count
@@ -119,13 +120,11 @@ def group_update(
     compute = ds[0].dtype
     num_rows, num_cols = tile_view(shape)
     apply = applies[0]
-    eps = [hyper.eps] * count if eps is None else list(eps)
-    if len(eps) != count:
-        raise ValueError(f"group_update: {len(eps)} eps values for {count} tensors")
-    # Room for the largest launch: with one eps for all (absolute damping) every launch of an
-    # update then passes the same array, which XLA builds once.
-    room = max(config.max_group, config.max_banded_group, count)
-    scalars = pack_scalars(hyper, corrections, apply, eps + eps[-1:] * (room - count), compute)
+    relative = hyper.damping != "absolute"
+    if relative and (diags is None or len(diags) != count):
+        raise ValueError(f"group_update: a relative damping needs {count} statistics (diags)")
+    # One array for every launch of an update: XLA builds it once.
+    scalars = pack_scalars(hyper, corrections, apply, compute)
     halo_size = (3 * band - 1) * pl.cdiv(num_rows, rows) * num_cols  # one sub-array's
     if band and band * halo_size > config.max_offset:
         raise ValueError(
@@ -133,7 +132,9 @@ def group_update(
             "elements exceed the kernels' offsets; use longer row chunks (tile)"
         )
     inputs = [scalars]
-    for g, m, d, e, halo, edge, applied in zip(gs, ms, ds, es, halos, edges, applies, strict=True):
+    for k, (g, m, d, e, halo, edge, applied) in enumerate(
+        zip(gs, ms, ds, es, halos, edges, applies, strict=True)
+    ):
         state = [m, d] + ([e[0]] if band == 1 else [e] if band else [])
         extra = []
         if band:
@@ -150,16 +151,17 @@ def group_update(
             starts = [h.index * halo_size for h in halo] + [edge.index * edge_size]
             extra = [h.buffer for h in halo]
             extra += [jnp.array(starts, jnp.int32), edge.buffer]
+        if relative:
+            extra.append(jnp.asarray(diags[k], compute).reshape(1))
         params = []
         if applied is not None:
             params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]
         inputs += [g.reshape(-1), *(x.reshape(-1) for x in state), *extra, *params]
-    diag_pair = hyper.damping != "absolute"
     step = step_call(
         shape,
         band,
         hyper.graft,
-        diag_pair,
+        relative,
         (rows, cols, num_warps),
         dtypes[1:],  # the state's
         kernel,
@@ -177,7 +179,7 @@ def group_update(
         u, *new_state, parts = outputs[k * per : (k + 1) * per]
         m_new, d_new = (x.reshape(shape) for x in new_state[:2])
         e_new = new_state[2].reshape(e.shape) if band else e
-        parts = parts.reshape(4 + 2 * diag_pair, -1) if hyper.graft == "adam" or diag_pair else None
+        parts = parts.reshape(4 + 2 * relative, -1) if hyper.graft == "adam" or relative else None
         steps.append((u.reshape(shape), m_new, d_new, e_new, parts))
     return steps
 
@@ -187,7 +189,7 @@ def step_call(
     shape,
     band,
     graft,
-    diag_pair,
+    relative,
     tile,
     state_dtypes,
     kernel,
@@ -200,7 +202,8 @@ def step_call(
 ) -> Callable:
     """:func:`leaf_update`'s ``kernel`` (``"diagonal"``, ``"scan"`` with ``walks = (stack, ahead)``:
     ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
-    for one static configuration (``diag_pair``: whether the norm pairs include ``sqrt(d_hat)``'s;
+    for one static configuration (``relative``: a relative damping, whose statistic each tensor
+    passes among its ``halo_inputs`` and whose ``sqrt(d_hat)`` adds a norm pair;
     with the fused apply when ``apply`` is the parameters' ``(dtype,
     decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
     parameters; ``count``: tensors per launch, :func:`group_update`; ``contract``: whether the
@@ -216,7 +219,7 @@ def step_call(
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
     sizes = (size, size, max(band, 1) * size)[: len(state_dtypes)]  # m, d and e
     outputs += [jax.ShapeDtypeStruct((n,), t) for n, t in zip(sizes, state_dtypes, strict=True)]
-    outputs.append(jax.ShapeDtypeStruct((4 + 2 * diag_pair, *grid), compute))
+    outputs.append(jax.ShapeDtypeStruct((4 + 2 * relative, *grid), compute))
     # Per tensor, after the scalars: g, the state, the halo inputs and with ``apply`` the
     # parameters and their ratio. The state's inputs are its outputs' buffers; so are the
     # parameters' with ``apply``.
@@ -230,7 +233,7 @@ def step_call(
     static = dict(
         shape=shape,
         graft=graft,
-        diag_pair=diag_pair,
+        relative=relative,
         rows=rows,
         cols=cols,
         apply=bool(apply),

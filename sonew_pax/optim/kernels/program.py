@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -12,11 +11,11 @@ from jax.experimental import pallas as pl
 from sonew_pax.optim import fma, pointwise
 from sonew_pax.optim.fma import madd
 
-# The numbers every tensor of a launch shares (``pointwise.Hyper``'s but ``eps``, the bias
-# corrections and :class:`Apply`'s), then each tensor's ``eps`` (a relative damping is a number of
-# its own per tensor), packed into one input array (padded to a power of 2, as Triton's blocks
-# must be) by :func:`pack_scalars`.
-SHARED = ("b1", "b2", "gamma", "graft_eps", "bc1", "bc2", "weight_decay", "scale")
+# The numbers every tensor of an update shares (``pointwise.Hyper``'s, the bias corrections and
+# :class:`Apply`'s), packed into one input array (padded to a power of 2, as Triton's blocks must
+# be) by :func:`pack_scalars`: every launch of an update passes the same array. A relative
+# damping's per-tensor statistic is an input of its own (``StepRefs.diag``).
+SHARED = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2", "weight_decay", "scale")
 
 
 class Apply(NamedTuple):
@@ -37,11 +36,13 @@ class Apply(NamedTuple):
 
 
 class StepRefs(NamedTuple):
-    """The refs a band >= 1 step kernel takes after its named inputs: with the fused apply
+    """The refs a band >= 1 step kernel takes after its named inputs: with a relative damping
+    the tensor's statistic (``(1,)``, :func:`numbers`; else ``None``), with the fused apply
     (:class:`Apply`) the parameters and their graft ratio (else ``None``), then its outputs:
     ``u``'s place (the new parameters with the apply), the new ``m``, ``d`` and ``e``, and the
     tiles' norm pairs."""
 
+    diag: Any
     p: Any
     ratio: Any
     out: Any
@@ -51,37 +52,39 @@ class StepRefs(NamedTuple):
     parts: Any
 
     @classmethod
-    def of(cls, refs: tuple, apply: bool) -> StepRefs:
+    def of(cls, refs: tuple, relative: bool, apply: bool) -> StepRefs:
         """The named refs of ``refs``, the kernel's trailing positional refs."""
-        return cls(*refs) if apply else cls(None, None, *refs)
+        refs = list(refs)
+        diag = refs.pop(0) if relative else None
+        p, ratio = (refs.pop(0), refs.pop(0)) if apply else (None, None)
+        return cls(diag, p, ratio, *refs)
 
 
 def pack_scalars(
-    hyper: pointwise.Hyper,
-    corrections: tuple,
-    apply: Apply | None,
-    eps: Sequence,
-    dtype,
+    hyper: pointwise.Hyper, corrections: tuple, apply: Apply | None, dtype
 ) -> jax.Array:
-    """The kernels' scalar input: :data:`SHARED` (``Apply``'s zero without ``apply``), then
-    ``eps[k]`` of each tensor ``k`` of the launch (and any more entries given)."""
-    values = {name: getattr(hyper, name) for name in ("b1", "b2", "gamma", "graft_eps")}
+    """The kernels' scalar input: :data:`SHARED` (``Apply``'s zero without ``apply``)."""
+    values = {name: getattr(hyper, name) for name in ("b1", "b2", "eps", "gamma", "graft_eps")}
     values.update(bc1=corrections[0], bc2=corrections[1], weight_decay=0, scale=0)
     if apply is not None:
         values.update(weight_decay=apply.weight_decay, scale=apply.scale)
-    numbers = [values[name] for name in SHARED] + list(eps)
+    numbers = [values[name] for name in SHARED]
     numbers += [0] * (pl.next_power_of_2(len(numbers)) - len(numbers))
     return jnp.stack([jnp.asarray(x, dtype) for x in numbers])
 
 
-def numbers(scalars_ref, graft: str, tensor: int) -> tuple[pointwise.Hyper, tuple]:
-    """``pointwise.Hyper`` (with tensor ``tensor``'s ``eps``) and the bias corrections from the
-    kernels' scalar input (:func:`pack_scalars`)."""
+def numbers(scalars_ref, graft: str, diag_ref=None) -> tuple[pointwise.Hyper, tuple]:
+    """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input
+    (:func:`pack_scalars`); with a relative damping's statistic (``diag_ref``, ``(1,)``) its
+    ``eps`` is ``pointwise.relative_eps`` of it."""
     values = {name: scalars_ref[k] for k, name in enumerate(SHARED)}
+    eps = values["eps"]
+    if diag_ref is not None:
+        eps = pointwise.relative_eps(eps, diag_ref[0])
     hyper = pointwise.Hyper(
         b1=values["b1"],
         b2=values["b2"],
-        eps=scalars_ref[len(SHARED) + tensor],
+        eps=eps,
         gamma=values["gamma"],
         graft_eps=values["graft_eps"],
         graft=graft,
@@ -139,11 +142,11 @@ def per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) 
     """The kernel ``body`` on one of ``count`` tensors' refs (``inputs`` inputs each after the
     shared scalars, then each one's outputs): tensor ``program_id(2)``'s, a branch per tensor
     (the refs are static). ``body`` takes the program's ``(row chunk, column block)`` as
-    ``program`` and the tensor's place in the launch as ``tensor``."""
+    ``program``."""
     # Read outside the branches: inside one, Pallas' interpreter finds no program ids.
     program = pl.program_id(0), pl.program_id(1)
     if count == 1:
-        body(scalars_ref, *refs, program=program, tensor=0, **static)
+        body(scalars_ref, *refs, program=program, **static)
         return
     outputs = (len(refs) - count * inputs) // count
     tensor = pl.program_id(2)
@@ -153,7 +156,7 @@ def per_tensor(scalars_ref, *refs, body, count: int, inputs: int, static: dict) 
         def _run(k=k):
             mine = refs[k * inputs : (k + 1) * inputs]
             out = refs[count * inputs + k * outputs : count * inputs + (k + 1) * outputs]
-            body(scalars_ref, *mine, *out, program=program, tensor=k, **static)
+            body(scalars_ref, *mine, *out, program=program, **static)
 
 
 def bind(kernel, name: str, contract: bool = False, **static):

@@ -35,7 +35,7 @@ def scan_kernel(
     *refs,
     shape,
     graft,
-    diag_pair,
+    relative,
     rows,
     cols,
     stack,
@@ -44,7 +44,6 @@ def scan_kernel(
     decayed,
     interpret,
     program,
-    tensor,
 ):
     """Band 1 walking down a ``rows x cols`` block of the view: ``stack`` walks of ``rows /
     stack`` rows one under another, one lane per walk and column, all a row at a time.
@@ -62,14 +61,15 @@ def scan_kernel(
     rows it has read (``stack x cols`` must cover the warps' lanes: no lane's element is
     another's). With ``apply`` (:class:`Apply`) the parameters (``StepRefs.p``) are read with
     the other arrays and ``StepRefs.out`` takes the new parameters, else ``u``. The tiles' norm
-    pairs are Adam's direction's and ``u``'s, then with ``diag_pair`` ``sqrt(d_hat)``'s.
+    pairs are Adam's direction's and ``u``'s, then with ``relative`` (a relative damping, its
+    statistic in ``StepRefs.diag``) ``sqrt(d_hat)``'s.
     """
-    named = StepRefs.of(refs, apply)
+    named = StepRefs.of(refs, relative, apply)
     num_rows, num_cols = tile_view(shape)
     i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
-    hyper, corrections = numbers(scalars_ref, graft, tensor)
+    hyper, corrections = numbers(scalars_ref, graft, named.diag)
     compute = d_ref.dtype
     block_first, block_last = chunk_rows(i, rows, num_rows)
     # Each walk's first and last row, (stack, 1); a walk below the view's last row is empty
@@ -153,11 +153,11 @@ def scan_kernel(
         out = output(scalars_ref, named.ratio, u, p_here, decayed)
         for ref, x in ((named.out, out), (named.m, here.m), (named.d, here.d), (named.e, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
-        normed = (adam, u) + (pointwise.diagonal_root(here.d, corrections),) * diag_pair
+        normed = (adam, u) + (pointwise.diagonal_root(here.d, corrections),) * relative
         pairs = tuple(running_pair(p, x, valid) for p, x in zip(pairs, normed, strict=True))
         return after, e_next, p_next, (lower, z), queue, pairs
 
     floor = jnp.full((stack, cols), scale_floor(compute), compute)
-    init = (here, e_first, p_first, (lower, z), queue, ((floor, zero),) * (2 + diag_pair))
+    init = (here, e_first, p_first, (lower, z), queue, ((floor, zero),) * (2 + relative))
     *_, pairs = jax.lax.fori_loop(0, rows // stack, body, init)
     write_parts(named.parts, i, j, pairs)
