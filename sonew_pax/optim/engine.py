@@ -220,6 +220,7 @@ def _leaf_steps(
     corrections,
     hyper: Hyper,
     kernels: KernelConfig | None,
+    diag: tuple[jax.Array, list] | None = None,
 ) -> list[tuple]:
     """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e``, lagged
     ratios and layouts, each a list over the tensors): with ``kernels``
@@ -229,13 +230,15 @@ def _leaf_steps(
     ``kernels.Apply``, writing the parameters in ``u``'s
     place), where the tensors of one ``kernels.launch_key`` share launches
     (``kernels.group_update``, ``kernels.launch_group`` tensors each); :func:`_leaf_step` on XLA
-    for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`; a
-    kernel takes its tensor's statistic, the state's scalar, and scales ``eps`` by it itself, so
-    every launch shares one scalar input)."""
-    grads, m, d, e, _, diags, layouts = leaves
+    for the others. Each preconditioned tensor steps with its own damping (:func:`_damped`):
+    with a relative one, ``diag`` is the state's statistics and each tensor's slot in them
+    (:func:`_slots`); a kernel takes the whole vector and its slot and scales ``eps`` itself, so
+    every launch shares one scalar input and nothing is sliced out for it."""
+    grads, m, d, e, _, layouts = leaves
+    vector, slots = diag if diag is not None else (None, [None] * len(grads))
     hypers = [
-        _damped(hyper, diag) if _has_chain(lay, hyper) else hyper
-        for diag, lay in zip(diags, layouts, strict=True)
+        _damped(hyper, None if slot is None else vector[slot]) if _has_chain(lay, hyper) else hyper
+        for slot, lay in zip(slots, layouts, strict=True)
     ]
     steps: list = [None] * len(grads)
     groups: dict[tuple, list[int]] = {}
@@ -256,7 +259,7 @@ def _leaf_steps(
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
                 applies=[applies[k] for k in part],
-                diags=None if hyper.damping == "absolute" else [diags[k] for k in part],
+                diag=None if diag is None else (vector, [slots[k] for k in part]),
                 config=kernels,
             )
             for k, result in zip(part, results, strict=True):
@@ -348,7 +351,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     dtype built together (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go
     the same way travel together: one collective-permute per mesh axes, direction and round
     (``chain.run``), whatever the number of tensors."""
-    grads, m, d, e, _, _, layouts = leaves
+    grads, m, d, e, _, layouts = leaves
     m, d = list(m), list(d)
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
@@ -446,11 +449,25 @@ def _diag_scales(top: jax.Array, total: jax.Array, layouts: list, hyper: Hyper) 
     return square * total[:, 2] / sizes.astype(square.dtype)
 
 
-def _next_diag(scale: jax.Array | None, diag: Any) -> Any:
-    """The relative damping's scale the state keeps: this step's (``scale``), else ``diag``."""
-    if scale is None or isinstance(diag, optax.MaskedNode):
-        return diag
-    return scale.astype(diag.dtype)
+def _slots(layouts: list, hyper: Hyper) -> list[int | None]:
+    """Each tensor's place in a relative damping's statistics (``ScaleBySONewDampedState.diag``):
+    the preconditioned tensors in the tree's order; ``None`` for the others."""
+    slots, count = [], 0
+    for lay in layouts:
+        if preconditioned(len(lay.shape), hyper.precondition_1d):
+            slots.append(count)
+            count += 1
+        else:
+            slots.append(None)
+    return slots
+
+
+def _next_diag(scales: list, vector: jax.Array, slots: list) -> jax.Array:
+    """The statistics the state keeps: each slot's tensor's new scale (:func:`_norm_results`),
+    its old one where it has none (an empty tensor), in one array (one write)."""
+    new = {slot: scale for slot, scale in zip(slots, scales, strict=True) if slot is not None}
+    values = [vector[i] if new[i] is None else new[i] for i in range(vector.shape[0])]
+    return jnp.stack(values).astype(vector.dtype) if values else vector
 
 
 def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
@@ -517,42 +534,42 @@ def make_step(
     e, ratio, diag)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with
     ``apply`` (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft
     ratio before the step (:func:`_ratio_before_step`), else ``pointwise.apply_update`` of ``u``
-    on XLA. ``ratio`` (``graft_lag``'s) and ``diag`` (a relative damping's scale,
-    :func:`_damped`) are per-tensor scalars, ``optax.MaskedNode`` where unused."""
+    on XLA. ``ratio`` (``graft_lag``'s) holds per-tensor scalars (``optax.MaskedNode`` where
+    unused); ``diag``, a relative damping's statistics (:func:`_damped`), is one array over the
+    preconditioned tensors (:func:`_slots`), or ``None``."""
     kernels = kernels_enabled(implementation, mesh, kernel_config)
 
     def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)
-        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, diag, layouts)]
+        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
         n = len(leaves[0])
         params, decayed = (
             [treedef.flatten_up_to(x) for x in (apply.params, apply.decayed)]
             if apply is not None
             else ([None] * n, [None] * n)
         )
-        layouts = leaves[6]
+        layouts = leaves[5]
+        slots = _slots(layouts, hyper) if diag is not None else None
         halos = _halos(*leaves[1:4], layouts, hyper, kernels)
         edges = _edges(leaves, hyper, kernels)
         fused_apply = [
             _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
-            for ei, lagged, lay, p, flag in zip(
-                leaves[3], leaves[4], layouts, params, decayed, strict=True
-            )
+            for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
         ]
-        steps = _leaf_steps(leaves, halos, edges, fused_apply, corrections, hyper, kernels)
-        ratios, scales = _norm_results([step[4] for step in steps], layouts, hyper)
-        out: list[list[Any]] = [[] for _ in range(6)]
-        for g, step, fresh, lagged, scale, diag, p, flag, leaf_apply in zip(
-            leaves[0],
-            steps,
-            ratios,
-            leaves[4],
-            scales,
-            leaves[5],
-            params,
-            decayed,
+        steps = _leaf_steps(
+            leaves,
+            halos,
+            edges,
             fused_apply,
-            strict=True,
+            corrections,
+            hyper,
+            kernels,
+            None if diag is None else (diag, slots),
+        )
+        ratios, scales = _norm_results([step[4] for step in steps], layouts, hyper)
+        out: list[list[Any]] = [[] for _ in range(5)]
+        for g, step, fresh, lagged, p, flag, leaf_apply in zip(
+            leaves[0], steps, ratios, leaves[4], params, decayed, fused_apply, strict=True
         ):
             if leaf_apply is not None:  # the kernel wrote the parameters
                 x, lagged = step[0], _next_lagged(fresh, lagged)
@@ -562,9 +579,10 @@ def make_step(
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
-            for k, y in enumerate((x, *step[1:4], lagged, _next_diag(scale, diag))):
+            for k, y in enumerate((x, *step[1:4], lagged)):
                 out[k].append(y)
-        return tuple(jax.tree.unflatten(treedef, y) for y in out)
+        new_diag = None if diag is None else _next_diag(scales, diag, slots)
+        return (*(jax.tree.unflatten(treedef, y) for y in out), new_diag)
 
     if mesh is None:
 

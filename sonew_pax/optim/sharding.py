@@ -321,7 +321,7 @@ def _state_specs(node: Any, param_specs: Any) -> Any:
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
     if isinstance(node, ScaleBySONewDampedState):
         specs = _sonew_specs(node, param_specs)
-        return ScaleBySONewDampedState(*specs, replicated(node.ratio), replicated(node.diag))
+        return ScaleBySONewDampedState(*specs, replicated(node.ratio), P())
     if isinstance(node, ScaleBySONewLagState):
         return ScaleBySONewLagState(*_sonew_specs(node, param_specs), replicated(node.ratio))
     if isinstance(node, ScaleBySONewState):

@@ -260,7 +260,7 @@ def scale_by_sonew(
         times its largest entry (the paper's analysis takes the damping proportional to the
         gradients' bound, Theorem 3). A relative damping makes the grafted update independent
         of the gradients' scale. The statistic is the previous step's (a lag of one step), kept
-        per tensor in the state (a :class:`ScaleBySONewDampedState`): each step's norm pairs,
+        in the state (a :class:`ScaleBySONewDampedState`, one array): each step's norm pairs,
         which the grafting norms' reduction and all-reduce merge, give it for the next step, so
         it costs no pass over memory and no message of its own. The first step, with no
         statistic yet, has an infinite damping: its direction is zero and only the moments
@@ -323,7 +323,7 @@ def scale_by_sonew(
             return sharding.zeros_beside(p, offdiag_dtype, at, band=static_band)
 
         def per_tensor(p: jax.Array) -> Any:
-            """A zero scalar for a preconditioned tensor (``ratio``, ``diag``)."""
+            """A zero scalar for a preconditioned tensor (``ratio``)."""
             if not preconditioned(jnp.ndim(p), precondition_1d):
                 return optax.MaskedNode()
             return sharding.zeros((), stats_dtype, scalar)
@@ -337,7 +337,11 @@ def scale_by_sonew(
         )
         ratio = jax.tree.map(per_tensor if graft_lag else _masked, params)
         if relative:
-            return ScaleBySONewDampedState(*state, ratio, jax.tree.map(per_tensor, params))
+            count = sum(
+                preconditioned(jnp.ndim(p), precondition_1d) for p in jax.tree.leaves(params)
+            )
+            diag = sharding.zeros((count,), stats_dtype, scalar)
+            return ScaleBySONewDampedState(*state, ratio, diag)
         return ScaleBySONewLagState(*state, ratio) if graft_lag else state
 
     def advance(updates, state, apply: ApplyArgs | None):
@@ -345,10 +349,9 @@ def scale_by_sonew(
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
         step = make_step(hyper, mesh, param_specs, implementation, kernel_config)
-        # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio;
-        # likewise without a relative damping's scales.
+        # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio.
         ratio = state.ratio if graft_lag else jax.tree.map(_masked, updates)
-        diag = state.diag if relative else jax.tree.map(_masked, updates)
+        diag = state.diag if relative else None
         out, m, d, e, ratio, diag = step(
             updates, state.m, state.d, state.e, ratio, diag, corrections, apply
         )

@@ -56,10 +56,11 @@ class ScaleBySONewDampedState(NamedTuple):
       e: as in :class:`ScaleBySONewState`.
       ratio: with ``graft_lag``, as in :class:`ScaleBySONewLagState`; otherwise
         ``optax.MaskedNode()`` for every tensor.
-      diag: the mean (or largest entry) of the tensor's bias-corrected diagonal ``d_hat`` at the
-        last step, a ``stats_dtype`` scalar per preconditioned tensor (``0`` before the first
-        step): the next step's damping is ``eps`` times it. ``optax.MaskedNode()`` for tensors
-        that take Adam's direction.
+      diag: the mean (or largest entry) of each preconditioned tensor's bias-corrected diagonal
+        ``d_hat`` at the last step (``0`` before the first): the next step's damping is ``eps``
+        times it. One ``stats_dtype`` array over those tensors in the order of
+        ``jax.tree.leaves(params)`` (tensors that take Adam's direction have no entry): the update
+        writes it in one kernel, where a scalar per tensor would take one each.
     """
 
     count: chex.Array

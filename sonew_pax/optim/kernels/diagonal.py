@@ -14,21 +14,21 @@ def diagonal_kernel(
     scalars_ref, *refs, shape, graft, relative, rows, cols, apply, decayed, program
 ):
     """One ``rows x cols`` tile of the view: the diagonal step (band 0). With ``relative`` it reads
-    its relative damping's statistic (``program.numbers``) and adds the norm pair of
+    its relative damping's statistics and slot (``program.numbers``) and adds the norm pair of
     ``sqrt(d_hat)`` after those of Adam's direction and ``u``; with ``apply`` it reads ``p_ref``
     and writes the new parameters in ``u``'s place."""
-    inputs = 3 + relative + 2 * apply
+    inputs = 3 + 2 * relative + 2 * apply
     g_ref, m_ref, d_ref = refs[:3]
     out_ref, m_out, d_out, parts_ref = refs[inputs:]
-    diag_ref = refs[3] if relative else None
-    p_ref, ratio_ref = refs[3 + relative : 5 + relative] if apply else (None, None)
+    diag_ref, slot_ref = refs[3:5] if relative else (None, None)
+    p_ref, ratio_ref = refs[3 + 2 * relative : 5 + 2 * relative] if apply else (None, None)
     num_rows, num_cols = tile_view(shape)
     i, j = program
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     valid = (r < num_rows) & (c < num_cols)
     offset = r * num_cols + c
-    hyper, corrections = numbers(scalars_ref, graft, diag_ref)
+    hyper, corrections = numbers(scalars_ref, graft, diag_ref, slot_ref)
     compute = d_ref.dtype
 
     def here(ref):

@@ -89,7 +89,7 @@ def group_update(
     halos: list[tuple[Halo, Halo, Halo] | None] | None = None,
     edges: list[Edges | None] | None = None,
     applies: list[Apply | None] | None = None,
-    diags: list | None = None,
+    diag: tuple[jax.Array, list[int]] | None = None,
     config: KernelConfig = DEFAULT,
 ) -> list[tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]]:
     """:func:`leaf_update` of several tensors of one :func:`launch_key` (shape, dtypes, and all
@@ -97,9 +97,9 @@ def group_update(
     the grid gains an axis over the tensors and each program runs one tensor's kernel. A small
     tensor's kernel is short and its walk's first loads wait on memory before any row is
     computed; launched together, the tensors fill the GPU as one larger tensor does
-    (``geometry.launch_group``). ``diags``: with a relative damping (``hyper.damping``) each
-    tensor's statistic (the state's scalar), which its kernel reads to scale ``eps``
-    (``program.numbers``). Returns :func:`leaf_update`'s
+    (``geometry.launch_group``). ``diag``: with a relative damping (``hyper.damping``) the
+    update's statistics (the state's array) and each tensor's slot in it, which its kernel reads
+    to scale ``eps`` (``program.numbers``). Returns :func:`leaf_update`'s
     tuple per tensor, in order."""
     count = len(gs)
     halos = halos or [None] * count
@@ -121,8 +121,8 @@ def group_update(
     num_rows, num_cols = tile_view(shape)
     apply = applies[0]
     relative = hyper.damping != "absolute"
-    if relative and (diags is None or len(diags) != count):
-        raise ValueError(f"group_update: a relative damping needs {count} statistics (diags)")
+    if relative and (diag is None or len(diag[1]) != count):
+        raise ValueError(f"group_update: a relative damping needs {count} statistics' slots")
     # One array for every launch of an update: XLA builds it once.
     scalars = pack_scalars(hyper, corrections, apply, compute)
     halo_size = (3 * band - 1) * pl.cdiv(num_rows, rows) * num_cols  # one sub-array's
@@ -152,7 +152,7 @@ def group_update(
             extra = [h.buffer for h in halo]
             extra += [jnp.array(starts, jnp.int32), edge.buffer]
         if relative:
-            extra.append(jnp.asarray(diags[k], compute).reshape(1))
+            extra += [diag[0], jnp.array([diag[1][k]], jnp.int32)]
         params = []
         if applied is not None:
             params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import fma, pointwise
 from sonew_pax.optim.fma import madd
@@ -14,7 +15,7 @@ from sonew_pax.optim.fma import madd
 # The numbers every tensor of an update shares (``pointwise.Hyper``'s, the bias corrections and
 # :class:`Apply`'s), packed into one input array (padded to a power of 2, as Triton's blocks must
 # be) by :func:`pack_scalars`: every launch of an update passes the same array. A relative
-# damping's per-tensor statistic is an input of its own (``StepRefs.diag``).
+# damping's statistics are an input of their own, with the tensor's slot (``StepRefs.diag``).
 SHARED = ("b1", "b2", "eps", "gamma", "graft_eps", "bc1", "bc2", "weight_decay", "scale")
 
 
@@ -37,12 +38,14 @@ class Apply(NamedTuple):
 
 class StepRefs(NamedTuple):
     """The refs a band >= 1 step kernel takes after its named inputs: with a relative damping
-    the tensor's statistic (``(1,)``, :func:`numbers`; else ``None``), with the fused apply
+    the update's statistics and the tensor's slot in them (``(1,)`` int32; :func:`numbers`;
+    else ``None``), with the fused apply
     (:class:`Apply`) the parameters and their graft ratio (else ``None``), then its outputs:
     ``u``'s place (the new parameters with the apply), the new ``m``, ``d`` and ``e``, and the
     tiles' norm pairs."""
 
     diag: Any
+    slot: Any
     p: Any
     ratio: Any
     out: Any
@@ -55,9 +58,9 @@ class StepRefs(NamedTuple):
     def of(cls, refs: tuple, relative: bool, apply: bool) -> StepRefs:
         """The named refs of ``refs``, the kernel's trailing positional refs."""
         refs = list(refs)
-        diag = refs.pop(0) if relative else None
+        diag, slot = (refs.pop(0), refs.pop(0)) if relative else (None, None)
         p, ratio = (refs.pop(0), refs.pop(0)) if apply else (None, None)
-        return cls(diag, p, ratio, *refs)
+        return cls(diag, slot, p, ratio, *refs)
 
 
 def pack_scalars(
@@ -73,14 +76,16 @@ def pack_scalars(
     return jnp.stack([jnp.asarray(x, dtype) for x in numbers])
 
 
-def numbers(scalars_ref, graft: str, diag_ref=None) -> tuple[pointwise.Hyper, tuple]:
+def numbers(scalars_ref, graft: str, diag_ref=None, slot_ref=None) -> tuple[pointwise.Hyper, tuple]:
     """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input
-    (:func:`pack_scalars`); with a relative damping's statistic (``diag_ref``, ``(1,)``) its
-    ``eps`` is ``pointwise.relative_eps`` of it."""
+    (:func:`pack_scalars`); with a relative damping's statistics (``diag_ref``) its ``eps`` is
+    ``pointwise.relative_eps`` of the tensor's (at ``slot_ref[0]``)."""
     values = {name: scalars_ref[k] for k, name in enumerate(SHARED)}
     eps = values["eps"]
     if diag_ref is not None:
-        eps = pointwise.relative_eps(eps, diag_ref[0])
+        # A read at one place: the array is as long as the preconditioned tensors are many (a
+        # whole-array read would need a power-of-2 length, as the scalars above are padded to).
+        eps = pointwise.relative_eps(eps, plgpu.load(diag_ref.at[slot_ref[0]]))
     hyper = pointwise.Hyper(
         b1=values["b1"],
         b2=values["b2"],

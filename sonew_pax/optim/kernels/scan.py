@@ -69,7 +69,7 @@ def scan_kernel(
     i, j = program
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
-    hyper, corrections = numbers(scalars_ref, graft, named.diag)
+    hyper, corrections = numbers(scalars_ref, graft, named.diag, named.slot)
     compute = d_ref.dtype
     block_first, block_last = chunk_rows(i, rows, num_rows)
     # Each walk's first and last row, (stack, 1); a walk below the view's last row is empty
