@@ -154,10 +154,11 @@ def test_kernels_take_the_relative_damping(band, monkeypatch):
 
 @pytest.mark.parametrize("band", [0, 1, 2])
 def test_relative_damping_with_bf16_statistics(band):
-    """bf16 statistics: ``sqrt(d_hat)``'s norm pair joins the grafting norms' reduction in their
-    precision, and the steps after the first are finite and nonzero."""
+    """bf16 statistics on XLA: ``sqrt(d_hat)``'s norm pair joins the grafting norms' reduction in
+    their precision, and the steps after the first are finite and nonzero."""
     params = {"w": jnp.ones((4, 3))}
-    tx = sonew(1.0, band=band, eps=0.1, damping="mean", stats_dtype=jnp.bfloat16)
+    kwargs = dict(eps=0.1, damping="mean", stats_dtype=jnp.bfloat16, implementation="xla")
+    tx = sonew(1.0, band=band, **kwargs)
     state = tx.init(params)
     for grads in _grads((4, 3), 2, seed=band):
         u, state = tx.update({"w": grads.astype(jnp.float32)}, state, params)
