@@ -75,7 +75,7 @@ import numpy as np
 import optax
 
 from benchmarks import common, train_step
-from sonew_pax import data, optimizers, partitioning, train_state
+from sonew_pax import data, optim, optimizers, partitioning, train_state
 from sonew_pax.models import Transformer, count_params
 from sonew_pax.trainer import Trainer
 
@@ -86,7 +86,7 @@ CANDIDATE = "sonew_tridiag"
 LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (README "Results")
 DEFAULT_LRS = dict.fromkeys(OPTIMIZERS, LRS)
 B1, B2 = 0.9, 0.95
-DEFAULT_SONEW_EPS = 1e-9  # from the eps sweep of results/lm_convergence_small_eps.json
+DEFAULT_SONEW_EPS = optim.DEFAULT_EPS  # the library's defaults (sonew's docstring)
 HYPERPARAMS = {
     "adamw": {"b1": B1, "b2": B2, "eps": 1e-8, "weight_decay": 0.1},
     "adafactor": {
@@ -178,7 +178,7 @@ def adafactor_unfactored(
 def hyperparameters(
     sonew_eps: float | list[float] = DEFAULT_SONEW_EPS,
     sonew_b2: float = B2,
-    sonew_damping: str = "absolute",
+    sonew_damping: str = optim.DEFAULT_DAMPING,
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
     ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``
@@ -1080,13 +1080,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_eps",
         type=_eps_list,
         default=f"{DEFAULT_SONEW_EPS:g}",
-        help="comma-separated values of SONew's absolute damping of diag(H) (default "
-        f"{DEFAULT_SONEW_EPS:g}; see the README for the choice); SONew runs every learning rate "
+        help="comma-separated values of SONew's damping of diag(H) (default "
+        f"{DEFAULT_SONEW_EPS:g}, relative: --sonew_damping); SONew runs every learning rate "
         "with every value (one compiled step: eps is optimizer state)",
     )
     p.add_argument(
         "--sonew_damping",
-        default="absolute",
+        default=optim.DEFAULT_DAMPING,
         choices=("absolute", "mean", "max"),
         help="SONew's damping: eps as given, or times each tensor's mean / max of diag(H)",
     )

@@ -5,8 +5,9 @@ Rows by name (``OPTIMIZERS``): ``adamw`` and the SONew variants of ``SONEW_VARIA
 with ``_pallas`` with the Pallas kernels of ``sonew_pax/optim/kernels``; ``_lag`` with
 ``graft_lag=True``; ``_bf16`` with momentum and off-diagonals stored in bfloat16; and
 ``sonew_tridiag_auto``, ``sonew(lr, band=1)`` as a user (and the trainer's gin file) gets it:
-the kernels on GPU wherever they apply, XLA elsewhere; ``sonew_tridiag_mean``, the same with
-``damping="mean"`` (a pass over ``g`` and ``d`` before the step finds each tensor's ``eps``).
+the kernels on GPU wherever they apply, XLA elsewhere; ``sonew_tridiag_absolute``, the same with
+``damping="absolute"`` (the default damping is relative: it adds a norm pair to each step and a
+scalar per tensor to the state).
 """
 
 from collections.abc import Callable
@@ -37,7 +38,7 @@ SONEW_VARIANTS = _XLA_VARIANTS | {
     for name, kwargs in _XLA_VARIANTS.items()
 }
 SONEW_VARIANTS["sonew_tridiag_auto"] = {"band": 1}
-SONEW_VARIANTS["sonew_tridiag_mean"] = {"band": 1, "damping": "mean"}
+SONEW_VARIANTS["sonew_tridiag_absolute"] = {"band": 1, "damping": "absolute"}
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 LEARNING_RATE = 1e-4
 # The random gradient every step applies: N(0, GRAD_STD).

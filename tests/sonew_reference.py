@@ -67,14 +67,36 @@ def logdet_solution(H: np.ndarray, edges: set[tuple[int, int]]) -> np.ndarray:
 
 
 class DenseSONew:
-    """Multi-step dense SONew on a dict of NumPy tensors (float64)."""
+    """Multi-step dense SONew on a dict of NumPy tensors (float64).
+
+    ``damping="absolute"`` adds ``eps`` to ``d_hat``; ``"mean"`` / ``"max"`` add ``eps`` times
+    the mean / max of the previous step's ``d_hat`` (the direction is zero while there is none,
+    or it is zero)."""
 
     def __init__(
-        self, lr, b1, b2, eps, band, gamma, graft, graft_eps, weight_decay, precondition_1d=False
+        self,
+        lr,
+        b1,
+        b2,
+        eps,
+        band,
+        gamma,
+        graft,
+        graft_eps,
+        weight_decay,
+        precondition_1d=False,
+        damping="absolute",
     ):
         self.__dict__.update(locals())
         self.t = 0
-        self.m, self.d, self.E = {}, {}, {}
+        self.m, self.d, self.E, self.scale = {}, {}, {}, {}
+
+    def _eps(self, name: str) -> float | None:
+        """This step's damping of tensor ``name``; ``None`` for an infinite one."""
+        if self.damping == "absolute":
+            return self.eps
+        scale = self.scale.get(name, 0.0)
+        return self.eps * scale if scale > 0 else None
 
     def _preconditioned(self, x):
         return x.ndim >= 2 or self.precondition_1d
@@ -98,8 +120,12 @@ class DenseSONew:
             self.m[name], self.d[name], self.E[name] = m, d, E
             m_hat, d_hat = m / (1 - b1**t), d / (1 - b2**t)
             adam = m_hat / (np.sqrt(d_hat) + self.graft_eps)
-            if self._preconditioned(g):
-                H = E / (1 - b2**t) + np.diag(d_hat + self.eps)
+            eps = self._eps(name)
+            self.scale[name] = d_hat.max() if self.damping == "max" else d_hat.mean()
+            if self._preconditioned(g) and eps is None:
+                u = np.zeros(n)
+            elif self._preconditioned(g):
+                H = E / (1 - b2**t) + np.diag(d_hat + eps)
                 X = logdet_solution(H, cut_edges(H, self.band, self.gamma))
                 u = X @ m_hat
                 if self.graft == "adam":

@@ -16,7 +16,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sonew_pax import checkpoints, metrics, partitioning, train_state
-from sonew_pax.optim import ScaleBySONewLagState, ScaleBySONewState, sonew
+from sonew_pax.optim import (
+    ScaleBySONewDampedState,
+    ScaleBySONewLagState,
+    ScaleBySONewState,
+    sonew,
+)
 from sonew_pax.train_state import TrainState
 
 SPECS = TrainState(
@@ -203,8 +208,9 @@ def _sonew_states(tx, mesh) -> tuple[TrainState, TrainState]:
 
 
 def test_sonew_state_from_before_graft_lag_restores(tmp_path, mesh_2x4):
-    """The default (not lagged) state keeps its four fields, so older checkpoints restore."""
-    state, target = _sonew_states(sonew(0.1, band=1), mesh_2x4)
+    """The absolute damping's state (not lagged) keeps its four fields, so checkpoints from
+    before graft_lag restore."""
+    state, target = _sonew_states(sonew(0.1, band=1, damping="absolute"), mesh_2x4)
     sonew_state = state.opt_state[0]
     assert type(sonew_state) is ScaleBySONewState
     assert sonew_state._fields == ("count", "m", "d", "e")
@@ -219,15 +225,26 @@ def test_sonew_state_from_before_graft_lag_restores(tmp_path, mesh_2x4):
     _assert_same(restored, state)
 
 
-def test_sonew_lag_state_round_trips(tmp_path, mesh_2x4):
-    """``graft_lag``'s state, ratios included, restores into its own type."""
-    state, target = _sonew_states(sonew(0.1, band=1, graft_lag=True), mesh_2x4)
-    assert type(state.opt_state[0]) is ScaleBySONewLagState
+@pytest.mark.parametrize(
+    "kwargs, kind, field",
+    [
+        (dict(graft_lag=True, damping="absolute"), ScaleBySONewLagState, "ratio"),
+        ({}, ScaleBySONewDampedState, "diag"),  # the default damping's statistics
+    ],
+)
+def test_sonew_per_tensor_numbers_round_trip(tmp_path, mesh_2x4, kwargs, kind, field):
+    """``graft_lag``'s state (its ratio per tensor) and the relative damping's (its statistics,
+    one array over the preconditioned tensors) restore into their own types."""
+    state, target = _sonew_states(sonew(0.1, band=1, **kwargs), mesh_2x4)
+    assert type(state.opt_state[0]) is kind
     ckpts = checkpoints.Checkpoints(tmp_path, async_save=False)
     ckpts.save(state, {"step": 2})
     ckpts.close()
     restored, _, _ = checkpoints.Checkpoints(tmp_path).restore_latest(target)
-    ratio = restored.opt_state[0].ratio
-    assert type(restored.opt_state[0]) is ScaleBySONewLagState
-    assert float(ratio["w"]) > 0 and isinstance(ratio["b"], optax.MaskedNode)
+    scalars = getattr(restored.opt_state[0], field)
+    assert type(restored.opt_state[0]) is kind
+    if field == "ratio":
+        assert float(scalars["w"]) > 0 and isinstance(scalars["b"], optax.MaskedNode)
+    else:
+        assert scalars.shape == (1,) and float(scalars[0]) > 0  # "w"; "b" takes Adam's direction
     _assert_same(restored, state)

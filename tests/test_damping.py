@@ -32,7 +32,9 @@ def test_each_step_is_the_absolute_step_with_the_last_steps_scale(x64, band, dam
     grads = _grads(shape, 4, seed=band)
     kwargs = dict(band=band, b2=B2, graft="none", stats_dtype=jnp.float64)
     relative = scale_by_sonew(eps=rel, damping=damping, **kwargs)
-    absolute = optax.inject_hyperparams(scale_by_sonew, static_args=("band",))(eps=1.0, **kwargs)
+    absolute = optax.inject_hyperparams(scale_by_sonew, static_args=("band", "damping"))(
+        eps=1.0, damping="absolute", **kwargs
+    )
     params = jnp.zeros(shape)
     state_rel, state_abs = relative.init(params), absolute.init(params)
     reduce = np.mean if damping == "mean" else np.max

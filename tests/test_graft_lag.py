@@ -5,6 +5,8 @@ The reference is built from the exact optimizer itself: the ungrafted direction 
 from the stored moments (``r_0 = 0``: the first update is zero).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from sonew_pax import optimizers
 from sonew_pax.optim import (
+    ScaleBySONewDampedState,
     ScaleBySONewLagState,
     ScaleBySONewState,
     scale_by_sonew,
@@ -22,7 +25,7 @@ from sonew_pax.optim import (
 )
 from tests.test_sonew_sharded import assert_sharded_matches, case, make_mesh, run
 
-HYPER = dict(b1=0.8, b2=0.9, eps=1e-3, gamma=1e-9, graft_eps=1e-8)
+HYPER = dict(b1=0.8, b2=0.9, eps=1e-3, gamma=1e-9, graft_eps=1e-8, damping="absolute")
 SHAPES = {"w": (6, 5), "k": (3, 2, 5), "b": (5,)}  # "b": 1-D, takes Adam's direction
 
 
@@ -87,24 +90,29 @@ def test_lag_scales_by_previous_ratio(x64, band):
 
 
 def test_state_holds_a_ratio_only_with_lag():
-    """With the lag the state is a ScaleBySONewLagState; without, ScaleBySONewState keeps the
-    four fields it had before ``graft_lag`` existed (so older checkpoints restore), also after
-    updates."""
+    """With the absolute damping and the lag the state is a ScaleBySONewLagState; without the
+    lag, ScaleBySONewState keeps the four fields it had before ``graft_lag`` existed (so older
+    checkpoints restore), also after updates. The default (relative) damping's state holds the
+    ratios beside its scales."""
     params = {k: jnp.ones(s) for k, s in SHAPES.items()}
-    state = scale_by_sonew(graft_lag=True).init(params)
+    relative = scale_by_sonew(graft_lag=True).init(params)
+    assert type(relative) is ScaleBySONewDampedState and relative.ratio["w"].shape == ()
+    absolute = functools.partial(scale_by_sonew, damping="absolute")
+    state = absolute(graft_lag=True).init(params)
     assert type(state) is ScaleBySONewLagState
     assert state._fields == ("count", "m", "d", "e", "ratio")
     assert state.ratio["w"].shape == () and state.ratio["w"].dtype == jnp.float32
     assert float(state.ratio["w"]) == 0.0 and isinstance(state.ratio["b"], optax.MaskedNode)
-    lag_1d = scale_by_sonew(graft_lag=True, precondition_1d=True).init(params)
+    lag_1d = absolute(graft_lag=True, precondition_1d=True).init(params)
     assert lag_1d.ratio["b"].shape == ()
-    plain = scale_by_sonew().init(params)
+    plain = absolute().init(params)
     assert type(plain) is ScaleBySONewState and plain._fields == ("count", "m", "d", "e")
-    for tx in (scale_by_sonew(), scale_by_sonew(graft_lag=True)):
+    for tx in (absolute(), absolute(graft_lag=True), scale_by_sonew(graft_lag=True)):
         state = tx.init(params)
         assert type(tx.update(params, state)[1]) is type(state)
-    assert optimizers.sonew(0.1, graft_lag=True).init(params)[0].ratio["w"].shape == ()
-    assert type(optimizers.sonew(0.1).init(params)[0]) is ScaleBySONewState
+    gin_sonew = functools.partial(optimizers.sonew, damping="absolute")
+    assert gin_sonew(0.1, graft_lag=True).init(params)[0].ratio["w"].shape == ()
+    assert type(gin_sonew(0.1).init(params)[0]) is ScaleBySONewState
 
 
 @pytest.mark.parametrize("band", [0, 1])
@@ -136,6 +144,7 @@ def test_sharded_equals_unsharded(x64):
         precondition_1d=True,
         stats_dtype=jnp.float64,
         graft_lag=True,
+        damping="absolute",
     )
     state = assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
     _, expect = run(sonew(0.1, **kwargs), params, grads_seq)

@@ -7,7 +7,12 @@ import numpy as np
 import optax
 import pytest
 
-from sonew_pax.optim import ScaleBySONewState, scale_by_sonew, sonew
+from sonew_pax.optim import (
+    ScaleBySONewDampedState,
+    ScaleBySONewState,
+    scale_by_sonew,
+    sonew,
+)
 
 BANDS = [0, 1, 2, 4, 10]
 PARAMS = {"w": jnp.ones((6, 5)), "k": jnp.ones((3, 2, 4)), "b": jnp.ones((5,))}
@@ -70,13 +75,17 @@ def test_update_is_scale_free_for_graft_none(x64):
 
 
 def test_state_layout_and_dtypes():
-    """Every state array has its parameter's shape; tridiag is 3x the parameters."""
+    """Every state array has its parameter's shape; tridiag is 3x the parameters, with the
+    default (relative) damping one more number per preconditioned tensor (in one array); the
+    absolute damping's state has no more."""
     params = {"w": jnp.ones((6, 5), jnp.bfloat16), "b": jnp.ones((5,), jnp.bfloat16)}
+    assert isinstance(scale_by_sonew(damping="absolute").init(params), ScaleBySONewState)
     tx = scale_by_sonew(band=1)
     state = tx.init(params)
-    assert isinstance(state, ScaleBySONewState)
+    assert isinstance(state, ScaleBySONewDampedState)
     assert state.m["w"].shape == state.d["w"].shape == (6, 5)
     assert state.e["w"].shape == (1, 6, 5)
+    assert state.diag.shape == (1,) and not jax.tree.leaves(state.ratio)  # "w" alone
     assert isinstance(state.e["b"], optax.MaskedNode)
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves((state.m, state.d, state.e)))
     grads = jax.tree.map(jnp.ones_like, params)
@@ -218,6 +227,8 @@ def test_zero_size_tensors_get_an_empty_update(band, implementation):
     params = {"w": jnp.ones((0, 5)), "k": jnp.ones((3, 0, 2)), "x": jnp.ones((8, 4))}
     tx = sonew(1e-2, band=band, implementation=implementation)
     state = tx.init(params)
+    # The first update is zero (the relative damping has no statistic yet): check the second.
+    _, state = jax.jit(tx.update)(params, state, params)
     updates, state = jax.jit(tx.update)(params, state, params)
     assert {k: u.shape for k, u in updates.items()} == {k: p.shape for k, p in params.items()}
     assert bool(jnp.all(jnp.isfinite(updates["x"]))) and bool(jnp.any(updates["x"] != 0))

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import ScaleBySONewState, sonew, specs_of, state_partition_specs
+from sonew_pax.optim import ScaleBySONewDampedState, sonew, specs_of, state_partition_specs
 
 
 def make_mesh(shape):
@@ -208,7 +208,9 @@ def test_state_partition_specs_for_chains_and_abstract_states():
     _, adamw_state, (sonew_state, *_) = out
     assert adamw_state.inner_state[0].mu == specs
     assert adamw_state.hyperparams["learning_rate"] == P()
-    assert type(sonew_state) is ScaleBySONewState  # no lag: the four fields, no ratio
+    # The default damping's statistics are replicated (one array); no lagged ratio.
+    assert type(sonew_state) is ScaleBySONewDampedState and not jax.tree.leaves(sonew_state.ratio)
+    assert sonew_state.diag == P()
     assert sonew_state.count == P() and sonew_state.m == specs
     assert sonew_state.e["rows"] == P(None, "data", None)
     assert isinstance(sonew_state.e["rep"], P) and sonew_state.e["rep"] == P(None)

@@ -6,6 +6,7 @@ Depends on jax and optax only.
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.sharding import specs_of, state_partition_specs
 from sonew_pax.optim.sonew import (
+    DEFAULT_DAMPING,
     DEFAULT_EPS,
     DEFAULT_GAMMA,
     ScaleBySONewDampedState,
@@ -17,6 +18,7 @@ from sonew_pax.optim.sonew import (
 from sonew_pax.optim.transform import GradientTransformationWithApply, apply_gradients, chain
 
 __all__ = [
+    "DEFAULT_DAMPING",
     "DEFAULT_EPS",
     "DEFAULT_GAMMA",
     "GradientTransformationWithApply",
