@@ -196,9 +196,9 @@ def _leaf_step(
     graft)``; band 1 with its ``edge`` (:func:`_edges`).
 
     ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
-    ``graft`` is ``None`` when nothing is grafted, else the local norm pairs of Adam's direction
-    and of ``u`` as ``(4, 1)`` (``chain.norm_pairs``): the kernels' per-tile pairs with one tile,
-    which :func:`_norm_results` merges with every other tensor's.
+    ``graft`` is ``None`` without norm pairs (:func:`_has_norms`), else the local pairs of
+    :func:`_normed`'s arrays as ``(4, 1)`` or ``(6, 1)`` (``chain.norm_pairs``): the kernels'
+    per-tile pairs with one tile, which :func:`_norm_results` merges with every other tensor's.
     """
     raw = _raw(g, m, d)
     if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
@@ -381,9 +381,9 @@ def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> 
     return pointwise.moments(_raw(g, m, d), hyper)
 
 
-# Tensors whose norm pairs one reduction merges. The results are then written to one scalar
-# buffer each (graft_lag's and a relative damping's state); XLA writes up to this many in one
-# kernel, more in one copy each (one small launch per tensor).
+# Tensors whose norm pairs one reduction merges. graft_lag's ratios are then written to one
+# scalar buffer each (XLA writes up to this many in one kernel, more in one copy each: one small
+# launch per tensor); a relative damping's statistics go to one array (``_next_diag``).
 _GRAFT_GROUP = 32
 
 
