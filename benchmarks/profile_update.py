@@ -95,11 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--grad_std",
         type=float,
         default=updates.GRAD_STD,
-        help="standard deviation of the random gradient every step applies. At the default, "
-        f"sonew's eps ({DEFAULT_EPS:g}) keeps the repeated gradient's rank-one statistics "
-        "regular: no band >= 2 window cuts the chain (nor did the demo LM's at step 300). At 1 "
-        "every window is singular and Algorithm 3 cuts every edge: the banded kernel's slow path "
-        "(solve.truncated_factor)",
+        help="standard deviation of the random gradient every step applies. sonew's default "
+        f"damping (eps {DEFAULT_EPS:g} times each tensor's mean diagonal) keeps the repeated "
+        "gradient's rank-one statistics regular whatever this scale: no band >= 2 window cuts "
+        "the chain (nor did the demo LM's at step 300). An absolute eps far below the "
+        "gradients' square makes every window singular and Algorithm 3 cut every edge: the "
+        "banded kernel's slow path (solve.truncated_factor)",
     )
     p.add_argument("--top", type=int, default=8, help="kernel families printed per optimizer")
     p.add_argument("--trace_dir", type=Path, help="where the traces stay (default: a temp dir)")
