@@ -6,7 +6,8 @@ moving averages, bias correction and Adam grafting):
     m   <- b1 m + (1 - b1) g                      first moment
     d   <- b2 d + (1 - b2) g^2                    diagonal of H (also Adam's second moment)
     e_k <- b2 e_k + (1 - b2) g * g_{+k}           k-th off-diagonal of H, k = 1..band
-    H    = banded(d / (1 - b2^t) + eps,  e / (1 - b2^t))
+    H    = banded(d / (1 - b2^t) + delta,  e / (1 - b2^t))
+           delta = eps mean(d_{t-1} / (1 - b2^(t-1)))    (default; damping="absolute": eps)
     X    = L D L^T = argmin -log det X + Tr(X H)  over band-``band`` matrices (Theorem 2, Alg. 3)
     u    = X m / (1 - b1^t)
     a    = m_hat / (sqrt(d_hat) + graft_eps)      Adam direction
@@ -18,9 +19,12 @@ scale no longer waits for a reduction over the same step's directions, so the GP
 apply the update in their one pass over memory (``apply``, :mod:`sonew_pax.optim.transform`).
 Through ``update`` and ``optax.apply_updates`` the lag saves nothing.
 
-``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see ``chain.py``).
-Every state array has its parameter's shape (the off-diagonals are stacked on a leading ``band``
-axis), so the state is sharded exactly like the parameters; with ``mesh`` and ``param_specs`` the
+The damping ``delta`` is relative to the tensor's own diagonal at the previous step (infinite at
+the first step: the update is zero), so ``eps`` keeps its meaning across gradient scales and model
+sizes. ``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see
+``chain.py``). Every state array has its parameter's shape (the off-diagonals are stacked on a
+leading ``band`` axis; the damping's statistics are one small replicated array), so the state is
+sharded exactly like the parameters; with ``mesh`` and ``param_specs`` the
 update runs under ``jax.shard_map`` and equals the unsharded update. The step itself is
 :mod:`sonew_pax.optim.engine`'s.
 
@@ -206,8 +210,8 @@ def scale_by_sonew(
     Args:
       b1: decay of the first moment ``m``.
       b2: decay of the banded second-moment statistics ``d`` and ``e``.
-      eps: damping added to the bias-corrected diagonal of ``H``: as given, or relative to the
-        tensor's diagonal (``damping``).
+      eps: damping added to the bias-corrected diagonal of ``H``: by default relative to the
+        tensor's diagonal, or as given (``damping``).
       band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2).
       gamma: Algorithm 3's tolerance: the chain is cut after vertex ``j`` when its Schur
         complement is ``<= gamma * H_jj`` (or undefined / not finite).
@@ -256,9 +260,9 @@ def scale_by_sonew(
         the seeds' spread); it is what lets the kernels apply the update (module docstring).
       kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); the default is
         the fastest measured.
-      damping: how ``eps`` damps the diagonal: ``"absolute"`` adds ``eps`` itself (its best
-        value follows the gradients' squared scale, so it changes with the model); ``"mean"``
-        adds ``eps`` times the mean of the tensor's bias-corrected diagonal ``d_hat``, ``"max"``
+      damping: how ``eps`` damps the diagonal: ``"mean"`` (default) adds ``eps`` times the mean
+        of the tensor's bias-corrected diagonal ``d_hat``; ``"absolute"`` adds ``eps`` itself (its
+        best value follows the gradients' squared scale, so it changes with the model); ``"max"``
         times its largest entry (the paper's analysis takes the damping proportional to the
         gradients' bound, Theorem 3). A relative damping makes the grafted update independent
         of the gradients' scale. The statistic is the previous step's (a lag of one step), kept
