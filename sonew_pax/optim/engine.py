@@ -222,8 +222,8 @@ def _leaf_steps(
     kernels: KernelConfig | None,
     diag: tuple[jax.Array, list] | None = None,
 ) -> list[tuple]:
-    """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e``, lagged
-    ratios and layouts, each a list over the tensors): with ``kernels``
+    """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e`` and
+    layouts, each a list over the tensors): with ``kernels``
     (:func:`kernels_enabled`) the steps of the tensors (or shards) where ``kernels.supported`` as
     Pallas kernels (bands >= 1 with their state's ``halos``, :func:`_halos`, and their chain
     neighbours beyond the block, ``edges``, :func:`_edges`; with ``applies[k]``,
@@ -234,7 +234,7 @@ def _leaf_steps(
     with a relative one, ``diag`` is the state's statistics and each tensor's slot in them
     (:func:`_slots`); a kernel takes the whole vector and its slot and scales ``eps`` itself, so
     every launch shares one scalar input and nothing is sliced out for it."""
-    grads, m, d, e, _, layouts = leaves
+    grads, m, d, e, layouts = leaves
     vector, slots = diag if diag is not None else (None, [None] * len(grads))
     hypers = [
         _damped(hyper, None if slot is None else vector[slot]) if _has_chain(lay, hyper) else hyper
@@ -351,7 +351,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     dtype built together (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go
     the same way travel together: one collective-permute per mesh axes, direction and round
     (``chain.run``), whatever the number of tensors."""
-    grads, m, d, e, _, layouts = leaves
+    grads, m, d, e, layouts = leaves
     m, d = list(m), list(d)
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
@@ -383,7 +383,7 @@ def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> 
 
 # Tensors whose norm pairs one reduction merges. graft_lag's ratios are then written to one
 # scalar buffer each (XLA writes up to this many in one kernel, more in one copy each: one small
-# launch per tensor); a relative damping's statistics go to one array (``_next_diag``).
+# launch per tensor); a relative damping's statistics go to one array (``_gathered``).
 _GRAFT_GROUP = 32
 
 
@@ -462,38 +462,22 @@ def _slots(layouts: list, hyper: Hyper) -> list[int | None]:
     return slots
 
 
-def _next_diag(scales: list, vector: jax.Array, slots: list) -> jax.Array:
-    """The statistics the state keeps: each slot's tensor's new scale (:func:`_norm_results`),
-    its old one where it has none (an empty tensor), in one array (one write)."""
-    new = {slot: scale for slot, scale in zip(slots, scales, strict=True) if slot is not None}
+def _gathered(fresh: list, vector: jax.Array, slots: list) -> jax.Array:
+    """The per-tensor numbers the state keeps (graft_lag's ratios, a relative damping's
+    statistics): each slot's tensor's new one (``fresh``, per tensor), its old one where it has
+    none (an empty tensor), in one array: XLA writes it in one kernel, where a scalar per tensor
+    took a launch each."""
+    new = {slot: x for slot, x in zip(slots, fresh, strict=True) if slot is not None}
     values = [vector[i] if new[i] is None else new[i] for i in range(vector.shape[0])]
     return jnp.stack(values).astype(vector.dtype) if values else vector
 
 
-def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> tuple[jax.Array, Any]:
-    """``u`` scaled by this step's ``ratio``, or with ``graft_lag`` (``lagged`` a scalar) by the
-    previous step's, returning this step's as the new lagged ratio: ``(u, lagged)``."""
+def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> jax.Array:
+    """``u`` scaled by this step's ``ratio``, or with ``graft_lag`` (``lagged``, the previous
+    step's, not ``None``) by that one."""
     if ratio is None:
-        return u, lagged
-    if isinstance(lagged, optax.MaskedNode):
-        return u * ratio, lagged
-    return u * lagged, _next_lagged(ratio, lagged)
-
-
-def _next_lagged(ratio: jax.Array | None, lagged: Any) -> Any:
-    """The lagged ratio the state keeps: this step's ``ratio`` (``graft_lag``), else ``lagged``."""
-    if ratio is None or isinstance(lagged, optax.MaskedNode):
-        return lagged
-    return ratio.astype(lagged.dtype)
-
-
-def _ratio_before_step(hyper: Hyper, lagged: Any) -> Any:
-    """The graft ratio known before the step's norms: 1 without grafting, the lagged ratio with
-    ``graft_lag``; ``None`` when the step's own ratio scales it (then its ``u`` must be written
-    out before it is applied)."""
-    if hyper.graft == "none":
-        return 1.0
-    return None if isinstance(lagged, optax.MaskedNode) else lagged
+        return u
+    return u * (ratio if lagged is None else lagged)
 
 
 def _kernel_apply(
@@ -501,19 +485,23 @@ def _kernel_apply(
     p,
     decayed,
     e,
-    lagged,
+    slot: int | None,
+    ratio: jax.Array | None,
     hyper: Hyper,
     layout: ChainLayout,
     kernels: KernelConfig | None,
 ) -> pallas.Apply | None:
     """The ``kernels.Apply`` of a tensor whose kernel writes its parameters: one on the kernels
-    whose graft ratio is known before the step (:func:`_ratio_before_step`); else ``None``."""
-    if apply is None:
+    whose graft ratio is known before the step, 1 without grafting or graft_lag's (``ratio``, the
+    state's array, read at the tensor's ``slot``); else ``None`` (then its ``u`` is written out
+    and grafted with the step's own ratio before it is applied)."""
+    if apply is None or not _on_kernel(kernels, layout, _band(e), hyper):
         return None
-    ratio = _ratio_before_step(hyper, lagged)
-    if ratio is None or not _on_kernel(kernels, layout, _band(e), hyper):
+    if hyper.graft == "none":
+        return pallas.Apply(p, jnp.ones((1,)), 0, apply.weight_decay, apply.scale, decayed)
+    if ratio is None:
         return None
-    return pallas.Apply(p, ratio, apply.weight_decay, apply.scale, decayed)
+    return pallas.Apply(p, ratio, slot, apply.weight_decay, apply.scale, decayed)
 
 
 class ApplyArgs(NamedTuple):
@@ -533,28 +521,31 @@ def make_step(
     """The whole-tree step ``(updates, m, d, e, ratio, diag, corrections, apply) -> (out, m, d,
     e, ratio, diag)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with
     ``apply`` (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft
-    ratio before the step (:func:`_ratio_before_step`), else ``pointwise.apply_update`` of ``u``
-    on XLA. ``ratio`` (``graft_lag``'s) holds per-tensor scalars (``optax.MaskedNode`` where
-    unused); ``diag``, a relative damping's statistics (:func:`_damped`), is one array over the
-    preconditioned tensors (:func:`_slots`), or ``None``."""
+    ratio before the step (:func:`_kernel_apply`), else ``pointwise.apply_update`` of ``u`` on
+    XLA. ``ratio`` (graft_lag's ratios) and ``diag`` (a relative damping's statistics,
+    :func:`_damped`) are each one array over the preconditioned tensors (:func:`_slots`), or
+    ``None``."""
     kernels = kernels_enabled(implementation, mesh, kernel_config)
 
     def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)
-        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, ratio, layouts)]
+        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, layouts)]
         n = len(leaves[0])
         params, decayed = (
             [treedef.flatten_up_to(x) for x in (apply.params, apply.decayed)]
             if apply is not None
             else ([None] * n, [None] * n)
         )
-        layouts = leaves[5]
-        slots = _slots(layouts, hyper) if diag is not None else None
+        layouts = leaves[4]
+        slots = _slots(layouts, hyper)
+        lagged = [None if ratio is None or k is None else ratio[k] for k in slots]
         halos = _halos(*leaves[1:4], layouts, hyper, kernels)
         edges = _edges(leaves, hyper, kernels)
         fused_apply = [
-            _kernel_apply(apply, p, flag, ei, lagged, hyper, lay, kernels)
-            for ei, lagged, lay, p, flag in zip(*leaves[3:], params, decayed, strict=True)
+            _kernel_apply(apply, p, flag, ei, slot, ratio, hyper, lay, kernels)
+            for ei, slot, lay, p, flag in zip(
+                leaves[3], slots, layouts, params, decayed, strict=True
+            )
         ]
         steps = _leaf_steps(
             leaves,
@@ -567,22 +558,22 @@ def make_step(
             None if diag is None else (diag, slots),
         )
         ratios, scales = _norm_results([step[4] for step in steps], layouts, hyper)
-        out: list[list[Any]] = [[] for _ in range(5)]
-        for g, step, fresh, lagged, p, flag, leaf_apply in zip(
-            leaves[0], steps, ratios, leaves[4], params, decayed, fused_apply, strict=True
+        out: list[list[Any]] = [[] for _ in range(4)]
+        for g, step, fresh, old, p, flag, leaf_apply in zip(
+            leaves[0], steps, ratios, lagged, params, decayed, fused_apply, strict=True
         ):
             if leaf_apply is not None:  # the kernel wrote the parameters
-                x, lagged = step[0], _next_lagged(fresh, lagged)
+                x = step[0]
             else:
-                u, lagged = _graft(step[0], fresh, lagged)
-                x = u.astype(g.dtype)
+                x = _graft(step[0], fresh, old).astype(g.dtype)
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
-            for k, y in enumerate((x, *step[1:4], lagged)):
+            for k, y in enumerate((x, *step[1:4])):
                 out[k].append(y)
-        new_diag = None if diag is None else _next_diag(scales, diag, slots)
-        return (*(jax.tree.unflatten(treedef, y) for y in out), new_diag)
+        new_ratio = None if ratio is None else _gathered(ratios, ratio, slots)
+        new_diag = None if diag is None else _gathered(scales, diag, slots)
+        return (*(jax.tree.unflatten(treedef, y) for y in out), new_ratio, new_diag)
 
     if mesh is None:
 

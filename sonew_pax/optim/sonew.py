@@ -182,10 +182,6 @@ def _is_none(x: Any) -> bool:
 State = ScaleBySONewState | ScaleBySONewLagState | ScaleBySONewDampedState
 
 
-def _masked(_: Any) -> optax.MaskedNode:
-    return optax.MaskedNode()
-
-
 def scale_by_sonew(
     b1: float = 0.9,
     b2: float = 0.95,
@@ -252,7 +248,7 @@ def scale_by_sonew(
         ``"pallas"``: the kernels wherever they apply, also off GPU (in Pallas' interpreter:
         slow, for tests). Results agree to float rounding.
       graft_lag: with ``graft="adam"``, scale each tensor's step-``t`` direction by the graft
-        ratio ``||adam|| / ||u||`` of step ``t - 1`` (one scalar per tensor, kept in the state,
+        ratio ``||adam|| / ||u||`` of step ``t - 1`` (one number per tensor, kept in the state,
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
         does not wait for the step's norms. The ratio starts at 0, so the first update is zero
         (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
@@ -328,12 +324,6 @@ def scale_by_sonew(
                 return optax.MaskedNode()
             return sharding.zeros_beside(p, offdiag_dtype, at, band=static_band)
 
-        def per_tensor(p: jax.Array) -> Any:
-            """A zero scalar for a preconditioned tensor (``ratio``)."""
-            if not preconditioned(jnp.ndim(p), precondition_1d):
-                return optax.MaskedNode()
-            return sharding.zeros((), stats_dtype, scalar)
-
         like = lambda dtype: lambda p, at: sharding.zeros_beside(p, dtype, at)  # noqa: E731
         state = ScaleBySONewState(
             count=sharding.zeros((), jnp.int32, scalar),
@@ -341,13 +331,14 @@ def scale_by_sonew(
             d=jax.tree.map(like(stats_dtype), params, where, is_leaf=_is_none),
             e=jax.tree.map(off_diagonals, params, where, is_leaf=_is_none),
         )
-        ratio = jax.tree.map(per_tensor if graft_lag else _masked, params)
+        # graft_lag's ratios and a relative damping's statistics: one number per preconditioned
+        # tensor each, in one array (a scalar per tensor would be one small kernel each).
+        count = sum(preconditioned(jnp.ndim(p), precondition_1d) for p in jax.tree.leaves(params))
+        ratio = sharding.zeros((count,), stats_dtype, scalar) if graft_lag else None
         if relative:
-            count = sum(
-                preconditioned(jnp.ndim(p), precondition_1d) for p in jax.tree.leaves(params)
+            return ScaleBySONewDampedState(
+                *state, ratio, sharding.zeros((count,), stats_dtype, scalar)
             )
-            diag = sharding.zeros((count,), stats_dtype, scalar)
-            return ScaleBySONewDampedState(*state, ratio, diag)
         return ScaleBySONewLagState(*state, ratio) if graft_lag else state
 
     def advance(updates, state, apply: ApplyArgs | None):
@@ -355,8 +346,8 @@ def scale_by_sonew(
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
         step = make_step(hyper, mesh, param_specs, implementation, kernel_config)
-        # Not lagged: a ratio tree of MaskedNodes, so every tensor grafts with its own step's ratio.
-        ratio = state.ratio if graft_lag else jax.tree.map(_masked, updates)
+        # Not lagged: no ratios, so every tensor grafts with its own step's ratio.
+        ratio = state.ratio if graft_lag else None
         diag = state.diag if relative else None
         out, m, d, e, ratio, diag = step(
             updates, state.m, state.d, state.e, ratio, diag, corrections, apply

@@ -34,9 +34,10 @@ class ScaleBySONewLagState(NamedTuple):
       m: as in :class:`ScaleBySONewState`.
       d: as in :class:`ScaleBySONewState`.
       e: as in :class:`ScaleBySONewState`.
-      ratio: the graft ratio ``||adam|| / ||u||`` of the last step, a ``stats_dtype`` scalar per
-        preconditioned tensor (``0`` before the first step); ``optax.MaskedNode()`` for tensors
-        that take Adam's direction.
+      ratio: the graft ratio ``||adam|| / ||u||`` of the last step of each preconditioned
+        tensor (``0`` before the first step): one ``stats_dtype`` array over those tensors in the
+        order of ``jax.tree.leaves(params)`` (tensors that take Adam's direction have no entry),
+        which the update writes in one kernel.
     """
 
     count: chex.Array
@@ -54,8 +55,7 @@ class ScaleBySONewDampedState(NamedTuple):
       m: as in :class:`ScaleBySONewState`.
       d: as in :class:`ScaleBySONewState`.
       e: as in :class:`ScaleBySONewState`.
-      ratio: with ``graft_lag``, as in :class:`ScaleBySONewLagState`; otherwise
-        ``optax.MaskedNode()`` for every tensor.
+      ratio: with ``graft_lag``, as in :class:`ScaleBySONewLagState`; otherwise ``None``.
       diag: the mean (or largest entry) of each preconditioned tensor's bias-corrected diagonal
         ``d_hat`` at the last step (``0`` before the first): the next step's damping is ``eps``
         times it. One ``stats_dtype`` array over those tensors in the order of

@@ -200,7 +200,12 @@ def banded_kernel(
         u = s_q[0] * (acc_q[0] + z)
         at_i = vertex_i * num_cols + c
         p_i = None if named.p is None else read(named.p, at_i, mine(vertex_i))
-        write(named.out, at_i, output(scalars_ref, named.ratio, u, p_i, decayed), mine(vertex_i))
+        write(
+            named.out,
+            at_i,
+            output(scalars_ref, named.ratio, named.ratio_slot, u, p_i, decayed),
+            mine(vertex_i),
+        )
         normed = ((adam, t), (u, vertex_i))
         normed += ((pointwise.diagonal_root(v.d, corrections), t),) * relative
         pairs = tuple(

@@ -17,11 +17,11 @@ def diagonal_kernel(
     its relative damping's statistics and slot (``program.numbers``) and adds the norm pair of
     ``sqrt(d_hat)`` after those of Adam's direction and ``u``; with ``apply`` it reads ``p_ref``
     and writes the new parameters in ``u``'s place."""
-    inputs = 3 + 2 * relative + 2 * apply
+    inputs = 3 + 2 * relative + 3 * apply
     g_ref, m_ref, d_ref = refs[:3]
     out_ref, m_out, d_out, parts_ref = refs[inputs:]
     diag_ref, slot_ref = refs[3:5] if relative else (None, None)
-    p_ref, ratio_ref = refs[3 + 2 * relative : 5 + 2 * relative] if apply else (None, None)
+    p_ref, ratio_ref, ratio_slot = refs[3 + 2 * relative : inputs] if apply else (None,) * 3
     num_rows, num_cols = tile_view(shape)
     i, j = program
     r = i * rows + jnp.arange(rows, dtype=jnp.int32)[:, None]
@@ -37,7 +37,7 @@ def diagonal_kernel(
     raw = pointwise.Raw(here(g_ref), here(m_ref), here(d_ref))
     p = None if p_ref is None else here(p_ref)
     step = pointwise.diagonal_step(raw, corrections, hyper)
-    out = output(scalars_ref, ratio_ref, step.u, p, decayed)
+    out = output(scalars_ref, ratio_ref, ratio_slot, step.u, p, decayed)
     plgpu.store(out_ref.at[offset], out.astype(out_ref.dtype), mask=valid)
     for ref, x in ((m_out, step.m), (d_out, step.d)):
         plgpu.store(ref.at[offset], x.astype(ref.dtype), mask=valid)

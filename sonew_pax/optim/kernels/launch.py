@@ -155,7 +155,8 @@ def group_update(
             extra += [diag[0], jnp.array([diag[1][k]], jnp.int32)]
         params = []
         if applied is not None:
-            params = [applied.params.reshape(-1), jnp.asarray(applied.ratio, compute).reshape(1)]
+            ratios = jnp.asarray(applied.ratios, compute).reshape(-1)
+            params = [applied.params.reshape(-1), ratios, jnp.array([applied.slot], jnp.int32)]
         inputs += [g.reshape(-1), *(x.reshape(-1) for x in state), *extra, *params]
     step = step_call(
         shape,
@@ -221,9 +222,9 @@ def step_call(
     outputs += [jax.ShapeDtypeStruct((n,), t) for n, t in zip(sizes, state_dtypes, strict=True)]
     outputs.append(jax.ShapeDtypeStruct((4 + 2 * relative, *grid), compute))
     # Per tensor, after the scalars: g, the state, the halo inputs and with ``apply`` the
-    # parameters and their ratio. The state's inputs are its outputs' buffers; so are the
-    # parameters' with ``apply``.
-    inputs = 1 + len(state_dtypes) + halo_inputs + 2 * bool(apply)
+    # parameters, the graft ratios and the tensor's slot. The state's inputs are its outputs'
+    # buffers; so are the parameters' with ``apply``.
+    inputs = 1 + len(state_dtypes) + halo_inputs + 3 * bool(apply)
     aliases = {}
     for k in range(count):
         first_in, first_out = 1 + k * inputs, k * len(outputs)

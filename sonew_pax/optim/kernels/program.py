@@ -24,13 +24,14 @@ class Apply(NamedTuple):
     ``pointwise.apply_update(params, u, ratio, decay, scale)`` instead of writing ``u``, where
     ``decay`` is ``weight_decay`` if ``decayed`` else 0.
 
-    ``ratio`` is the graft ratio known before the step (a scalar array: ``graft_lag``'s, or 1
-    without grafting), the kernel's own input, which XLA passes without a copy; ``weight_decay``
-    and ``scale`` (the factor of the sum, ``-lr`` in ``sonew``) are the same for every tensor;
-    ``decayed`` is static."""
+    ``ratios`` holds the graft ratio known before the step at ``slot``: ``graft_lag``'s array
+    over the tensors (the state's, which XLA passes without a copy or a slice), or ``[1]``
+    without grafting; ``weight_decay`` and ``scale`` (the factor of the sum, ``-lr`` in
+    ``sonew``) are the same for every tensor; ``decayed`` is static."""
 
     params: jax.Array
-    ratio: Any
+    ratios: Any
+    slot: int
     weight_decay: Any
     scale: Any
     decayed: bool
@@ -40,7 +41,8 @@ class StepRefs(NamedTuple):
     """The refs a band >= 1 step kernel takes after its named inputs: with a relative damping
     the update's statistics and the tensor's slot in them (``(1,)`` int32; :func:`numbers`;
     else ``None``), with the fused apply
-    (:class:`Apply`) the parameters and their graft ratio (else ``None``), then its outputs:
+    (:class:`Apply`) the parameters, the graft ratios and the tensor's slot in them (else
+    ``None``), then its outputs:
     ``u``'s place (the new parameters with the apply), the new ``m``, ``d`` and ``e``, and the
     tiles' norm pairs."""
 
@@ -48,6 +50,7 @@ class StepRefs(NamedTuple):
     slot: Any
     p: Any
     ratio: Any
+    ratio_slot: Any
     out: Any
     m: Any
     d: Any
@@ -59,8 +62,8 @@ class StepRefs(NamedTuple):
         """The named refs of ``refs``, the kernel's trailing positional refs."""
         refs = list(refs)
         diag, slot = (refs.pop(0), refs.pop(0)) if relative else (None, None)
-        p, ratio = (refs.pop(0), refs.pop(0)) if apply else (None, None)
-        return cls(diag, slot, p, ratio, *refs)
+        p, ratio, ratio_slot = (refs.pop(0) for _ in range(3)) if apply else (None,) * 3
+        return cls(diag, slot, p, ratio, ratio_slot, *refs)
 
 
 def pack_scalars(
@@ -98,14 +101,15 @@ def numbers(scalars_ref, graft: str, diag_ref=None, slot_ref=None) -> tuple[poin
     return hyper, (values["bc1"], values["bc2"])
 
 
-def output(scalars_ref, ratio_ref, u, p, decayed: bool):
+def output(scalars_ref, ratio_ref, slot_ref, u, p, decayed: bool):
     """What the kernel writes in ``u``'s place: ``u``, or with the fused apply (``p`` read, not
     ``None``) the new parameter (:class:`Apply`)."""
     if p is None:
         return u
     weight_decay, scale = (scalars_ref[SHARED.index(k)] for k in ("weight_decay", "scale"))
     decay = weight_decay if decayed else 0
-    return pointwise.apply_update(p, u, ratio_ref[0], decay, scale)
+    ratio = plgpu.load(ratio_ref.at[slot_ref[0]])
+    return pointwise.apply_update(p, u, ratio, decay, scale)
 
 
 def write_parts(parts_ref, i, j, pairs) -> None:

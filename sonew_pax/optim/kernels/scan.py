@@ -150,7 +150,7 @@ def scan_kernel(
         u = here.scale * (z + above[0] * above[1])  # tridiagonal_step's expression
         adam = pointwise.adam_direction(here.m, here.d, corrections, hyper)
         at = r * num_cols + c
-        out = output(scalars_ref, named.ratio, u, p_here, decayed)
+        out = output(scalars_ref, named.ratio, named.ratio_slot, u, p_here, decayed)
         for ref, x in ((named.out, out), (named.m, here.m), (named.d, here.d), (named.e, e_new)):
             plgpu.store(ref.at[at], x.astype(ref.dtype), mask=valid)
         normed = (adam, u) + (pointwise.diagonal_root(here.d, corrections),) * relative
