@@ -381,9 +381,8 @@ def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> 
     return pointwise.moments(_raw(g, m, d), hyper)
 
 
-# Tensors whose norm pairs one reduction merges. graft_lag's ratios are then written to one
-# scalar buffer each (XLA writes up to this many in one kernel, more in one copy each: one small
-# launch per tensor); a relative damping's statistics go to one array (``_gathered``).
+# Tensors whose norm pairs one reduction merges (over their stacked pairs). The results, graft_lag's
+# ratios and a relative damping's statistics, go to one array each (``_gathered``).
 _GRAFT_GROUP = 32
 
 
