@@ -154,7 +154,7 @@ def test_kernels_take_the_relative_damping(band, monkeypatch):
     np.testing.assert_allclose(got_diag, want_diag, rtol=1e-6)
 
 
-@pytest.mark.parametrize("band", [0, 1, 2])
+@pytest.mark.parametrize("band", [1])  # the norm pairs' reduction is every band's
 def test_relative_damping_with_bf16_statistics(band):
     """bf16 statistics on XLA: ``sqrt(d_hat)``'s norm pair joins the grafting norms' reduction in
     their precision, and the steps after the first are finite and nonzero."""
