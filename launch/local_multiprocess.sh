@@ -16,7 +16,7 @@
 #                          output goes to stdout, each line prefixed with "[process i]".
 #   PYTHON                 the interpreter used to find a free port (default: python3).
 #
-# Each process gets JAX_PLATFORMS=cpu, XLA_FLAGS=--xla_force_host_platform_device_count=N and
+# Each process gets JAX_PLATFORMS=cpu, --xla_force_host_platform_device_count=N added to XLA_FLAGS, and
 # COORDINATOR_ADDRESS, PROCESS_COUNT, PROCESS_INDEX (read by sonew_pax.distributed). The script
 # exits with the first non-zero status of any process (stopping the others), or 0.
 set -euo pipefail
@@ -52,7 +52,7 @@ trap 'stop_all' INT TERM
 
 for ((i = 0; i < NUM_PROCESSES; i++)); do
   export JAX_PLATFORMS=cpu
-  export XLA_FLAGS="--xla_force_host_platform_device_count=${DEVICES_PER_PROCESS}"
+  export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_force_host_platform_device_count=${DEVICES_PER_PROCESS}"
   export COORDINATOR_ADDRESS="127.0.0.1:${COORDINATOR_PORT}"
   export PROCESS_COUNT="$NUM_PROCESSES" PROCESS_INDEX="$i"
   export DISTRIBUTED_TIMEOUT_S

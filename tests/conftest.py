@@ -2,9 +2,9 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from tests.flags import xla_flags
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {xla_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib

@@ -24,6 +24,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from tests.flags import xla_flags
+
 STEPS = 30
 PERIOD = 5
 COMMON = [
@@ -52,7 +54,7 @@ def env(tmp_path_factory):
     cache = tmp_path_factory.mktemp("jax_cache")
     return {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": xla_flags(8),
         "JAX_PLATFORMS": "cpu",
         "JAX_COMPILATION_CACHE_DIR": str(cache),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",

@@ -31,6 +31,7 @@ import time
 import pytest
 
 from sonew_pax import distributed
+from tests.flags import FAST_COMPILE, xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 LAUNCHER = REPO / "launch" / "local_multiprocess.sh"
@@ -61,8 +62,8 @@ def _env(cache_dir: pathlib.Path, devices: int | None = None) -> dict[str, str]:
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
         PYTHON=sys.executable,
     )
-    if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    # The launcher adds its processes' device count to XLA_FLAGS.
+    env["XLA_FLAGS"] = FAST_COMPILE if devices is None else xla_flags(devices)
     return env
 
 

@@ -16,13 +16,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks import scaling, train_step
+from tests.flags import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
-FAST_CPU = (
-    "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 "
-    "--xla_llvm_disable_expensive_passes=true"
-)
+FAST_CPU = f"{xla_flags(8)} --xla_llvm_disable_expensive_passes=true"
 TINY = [
     *("--scale", "0.03125", "--layers", "1", "--check_steps", "1"),
     *("--update_warmup", "0", "--update_iters", "1", "--device_counts", "1,8"),

@@ -29,6 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax import loop, train, trainer
 from sonew_pax.errors import ConfigError
+from tests.flags import xla_flags
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Custom-call targets that XLA's TPU compiler implements: sharding annotations (the GSPMD form
@@ -167,7 +168,7 @@ def test_v4_32_run_lowers_for_tpu_on_its_16_devices():
     """``runs/pretrain_1b_v4_32.gin`` as the launcher runs it (mesh data=16, FSDP), in a process
     with 16 simulated devices (this one has 8)."""
     env = os.environ | {
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={V4_32_DEVICES}",
+        "XLA_FLAGS": xla_flags(V4_32_DEVICES),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
     }
