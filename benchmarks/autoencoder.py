@@ -386,14 +386,27 @@ def print_progress(name: str, done: int, total: int, losses, start: float) -> No
     )
 
 
+def sonew_eps(text: str) -> float:
+    """``--sonew_eps``'s value other than ``paper``: a number, or ``default`` for the library's
+    (``sonew_pax.optim.DEFAULT_EPS``, a damping relative to each tensor's diagonal)."""
+    if text == "default":
+        from sonew_pax.optim import DEFAULT_EPS  # lazy: the optimizer library is optional here
+
+        return DEFAULT_EPS
+    return float(text)
+
+
 def parse_floats(text: str) -> list[float]:
     """A comma-separated list of floats."""
     return [float(v) for v in text.split(",") if v]
 
 
 def runs_for(name: str, args) -> list[dict]:
-    """The runs of one optimizer: the paper's lr and ε, or the sweep grid around them, per seed."""
+    """The runs of one optimizer: the paper's lr and ε (SONew's ε from ``--sonew_eps`` unless that
+    is ``paper``), or the sweep grid around them, per seed."""
     hp = PAPER_HPARAMS[args.dtype][name]
+    if name in SONEW_VARIANTS and args.sonew_eps != "paper":
+        hp = {**hp, "eps": sonew_eps(args.sonew_eps)}
     lr_factors, eps_factors = [1.0], [1.0]
     if args.sweep:
         lr_factors = parse_floats(args.sweep_lr)
@@ -514,6 +527,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         default="absolute",
         choices=("absolute", "mean", "max"),
         help="SONew's damping: ε as given, or ε times each tensor's mean / max of diag(H)",
+    )
+    p.add_argument(
+        "--sonew_eps",
+        default="paper",
+        help="SONew's ε: 'paper' (the paper's table, per variant), 'default' (the library's, "
+        "with --sonew_damping mean: sonew()'s defaults) or a number for every variant",
     )
     p.add_argument(
         "--implementation",

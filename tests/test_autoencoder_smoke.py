@@ -99,3 +99,17 @@ def test_sonew_damping_flag_reaches_the_optimizer():
         float(jnp.max(jnp.abs(a - b))) > 0
         for a, b in zip(jax.tree.leaves(relative), jax.tree.leaves(absolute), strict=True)
     )
+
+
+def test_sonew_eps_flag_replaces_the_papers_for_sonew_only():
+    """``--sonew_eps default`` runs SONew's variants at the library's ε (the paper's lr and betas
+    kept), a number at that ε, and leaves the other optimizers at the paper's."""
+    from sonew_pax.optim import DEFAULT_EPS
+
+    paper = autoencoder.PAPER_HPARAMS["float32"]
+    for value, expected in (("default", DEFAULT_EPS), ("3e-2", 3e-2), ("paper", None)):
+        args = autoencoder.parse_args(["--sonew_eps", value, "--optimizers", "adam,sonew_band4"])
+        (band4,) = autoencoder.runs_for("sonew_band4", args)
+        assert band4["eps"] == (paper["sonew_band4"]["eps"] if expected is None else expected)
+        assert band4["learning_rate"] == paper["sonew_band4"]["learning_rate"]
+        assert autoencoder.runs_for("adam", args)[0]["eps"] == paper["adam"]["eps"]
