@@ -721,6 +721,13 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
         assert {target for target, _ in calls} == {"__gpu$xla.gpu.triton"}
         assert ("fma.rn.f32" in text) == (band >= 2)
         assert [called for _, called in calls].count(name) == 1
+    # bf16 statistics, with the relative damping: the kernels compute in float32 (Triton lowers
+    # no bf16 division), so they lower too.
+    tx = make(stats_dtype=jnp.bfloat16, damping="mean")
+    update = jax.jit(tx.update)
+    export.export(update, platforms=("cuda",), disabled_checks=[check])(
+        params, tx.init(params), params
+    )
 
 
 @pytest.mark.parametrize(

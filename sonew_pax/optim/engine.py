@@ -195,7 +195,8 @@ def _leaf_step(
     """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
     graft)``; band 1 with its ``edge`` (:func:`_edges`).
 
-    ``u`` is the direction in ``d``'s dtype (Adam's for tensors that are not preconditioned).
+    ``u`` is the direction (Adam's for tensors that are not preconditioned) in the arithmetic's
+    dtype (``pointwise.compute_dtype``).
     ``graft`` is ``None`` without norm pairs (:func:`_has_norms`), else the local pairs of
     :func:`_normed`'s arrays as ``(4, 1)`` or ``(6, 1)`` (``chain.norm_pairs``): the kernels'
     per-tile pairs with one tile, which :func:`_norm_results` merges with every other tensor's.
@@ -205,11 +206,11 @@ def _leaf_step(
         # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
-        return adam, m_new.astype(m.dtype), d_new, e, None
+        return adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None
     band = _band(e)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    return step.u, step.m.astype(m.dtype), step.d, e_new, grafting
+    return step.u, step.m.astype(m.dtype), step.d.astype(d.dtype), e_new, grafting
 
 
 def _leaf_steps(
@@ -268,9 +269,10 @@ def _leaf_steps(
 
 
 def _raw(g: jax.Array, m: jax.Array, d: jax.Array) -> Raw:
-    """A tensor's gradient and state as the step reads them: ``g`` in ``d``'s dtype (stats_dtype
-    is the arithmetic's)."""
-    return Raw(g.astype(d.dtype), m, d)
+    """A tensor's gradient and state as the step reads them: in the arithmetic's dtype
+    (``pointwise.compute_dtype`` of the statistics')."""
+    compute = pointwise.compute_dtype(d.dtype)
+    return Raw(g.astype(compute), m.astype(compute), d.astype(compute))
 
 
 def _interpret() -> bool:

@@ -61,6 +61,14 @@ class Step(NamedTuple):
     e: jax.Array | None
 
 
+def compute_dtype(stats_dtype: Any) -> jnp.dtype:
+    """The dtype the step computes in for statistics stored in ``stats_dtype``: that one, or
+    float32 where it is narrower. Narrower statistics (``stats_dtype=jnp.bfloat16``) are a
+    storage format: every operation rounded to 8 bits would lose what float32 keeps, and Triton
+    lowers no bfloat16 division."""
+    return jnp.promote_types(stats_dtype, jnp.float32)
+
+
 def _factors(corrections) -> tuple[Any, Any]:
     """``(1 / (1 - b1^t), 1 / (1 - b2^t))`` from the bias corrections ``(1 - b1^t, 1 - b2^t)``: one
     division per step (per kernel program), then products per element."""

@@ -83,7 +83,7 @@ def banded_kernel(
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)
     in_cols = c < num_cols
     hyper, corrections = numbers(scalars_ref, graft, named.diag, named.slot)
-    compute = d_ref.dtype
+    compute = pointwise.compute_dtype(d_ref.dtype)
     first, last = chunk_rows(i, rows, num_rows)
     span = 3 * b - 1  # halo rows per chunk, and the edges' rows (b above, 2b - 1 below)
     halo_size = pl.cdiv(num_rows, rows) * span * num_cols  # one sub-array's halo rows

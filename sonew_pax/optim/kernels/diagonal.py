@@ -29,7 +29,7 @@ def diagonal_kernel(
     valid = (r < num_rows) & (c < num_cols)
     offset = r * num_cols + c
     hyper, corrections = numbers(scalars_ref, graft, diag_ref, slot_ref)
-    compute = d_ref.dtype
+    compute = pointwise.compute_dtype(d_ref.dtype)
 
     def here(ref):
         return plgpu.load(ref.at[offset], mask=valid, other=0).astype(compute)

@@ -21,6 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout, Program, edges_of, halo_width
 from sonew_pax.optim.kernels.config import DEFAULT, KernelConfig
 from sonew_pax.optim.kernels.geometry import chunk_rows, default_tile, tile_view
@@ -200,10 +201,10 @@ def kernel_edges(
     """An exchange program returning the :class:`Edges` of band-``b`` step kernels on the local
     blocks of tensors of one ``layout`` and dtypes: the chain neighbours beyond the view's first
     and last rows (``chain.edges_of``, ``chain.halo_width``: ``b`` rows above, ``2b - 1`` below,
-    one each for band 1) of ``g``, ``m``, ``d`` and ``e``'s ``b`` off-diagonals, in ``d``'s dtype
-    (the kernels' arithmetic), per tensor as ``(3 + b, 3b - 1, C)``: the rows above, then those
-    below, of array ``0`` (``g``), ``1`` (``m``), ``2`` (``d``) and ``3 + k`` (``e[k]``) of the
-    view (:func:`tile_view`).
+    one each for band 1) of ``g``, ``m``, ``d`` and ``e``'s ``b`` off-diagonals, in the kernels'
+    arithmetic's dtype (``pointwise.compute_dtype`` of ``d``'s), per tensor as ``(3 + b, 3b - 1,
+    C)``: the rows above, then those below, of array ``0`` (``g``), ``1`` (``m``), ``2`` (``d``)
+    and ``3 + k`` (``e[k]``) of the view (:func:`tile_view`).
 
     For a tensor whole on the device these are a column's neighbours at the wraps between columns
     (zero at the chain's ends); for a shard, the neighbouring shards' rows. The slabs of all the
@@ -213,7 +214,7 @@ def kernel_edges(
     """
     band = es[0].shape[0]
     before, after = halo_width(band)
-    compute = ds[0].dtype
+    compute = pointwise.compute_dtype(ds[0].dtype)
     rows = ds[0].shape[0]
     arrays = [
         y.astype(compute)

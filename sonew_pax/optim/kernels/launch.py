@@ -53,7 +53,8 @@ def leaf_update(
     (``geometry.tile_view``) with ``num_warps`` warps; default ``geometry.default_tile`` of
     ``config`` (:class:`KernelConfig`). Band 0 runs ``diagonal.diagonal_kernel``, band 1
     ``scan.scan_kernel``, bands >= 2 ``banded.banded_kernel``. Returns ``(u, m, d, e, parts)``:
-    the ungrafted direction in ``d``'s dtype, the new state in the stored dtypes, and per tile
+    the ungrafted direction in the arithmetic's dtype (``pointwise.compute_dtype`` of ``d``'s),
+    the new state in the stored dtypes, and per tile
     the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
     tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u``, then with a relative damping
     (``hyper.damping``) those of ``sqrt(d_hat)`` (``(6, tiles)``); ``None`` without them (no
@@ -117,7 +118,7 @@ def group_update(
             f"{kernel} kernel: {rows} rows in {stack} walks of {cols} columns for 32 x "
             f"{num_warps} lanes (one each)"
         )
-    compute = ds[0].dtype
+    compute = pointwise.compute_dtype(ds[0].dtype)
     num_rows, num_cols = tile_view(shape)
     apply = applies[0]
     relative = hyper.damping != "absolute"
@@ -215,7 +216,7 @@ def step_call(
     rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
-    size, compute = math.prod(shape), state_dtypes[1]
+    size, compute = math.prod(shape), pointwise.compute_dtype(state_dtypes[1])
     params_dtype, decayed = apply or (compute, False)
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
     sizes = (size, size, max(band, 1) * size)[: len(state_dtypes)]  # m, d and e

@@ -70,7 +70,7 @@ def scan_kernel(
     c = j * cols + jnp.arange(cols, dtype=jnp.int32)[None, :]
     in_cols = c < num_cols
     hyper, corrections = numbers(scalars_ref, graft, named.diag, named.slot)
-    compute = d_ref.dtype
+    compute = pointwise.compute_dtype(d_ref.dtype)
     block_first, block_last = chunk_rows(i, rows, num_rows)
     # Each walk's first and last row, (stack, 1); a walk below the view's last row is empty
     # (first > last: it reads and writes nothing).
