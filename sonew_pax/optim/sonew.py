@@ -215,8 +215,9 @@ def scale_by_sonew(
       graft_eps: epsilon of the Adam direction used for grafting.
       precondition_1d: precondition tensors with fewer than 2 dimensions too (otherwise they take
         the Adam direction).
-      stats_dtype: dtype of ``d`` and of all arithmetic (float32 even for bf16 parameters); also
-        of ``m`` and ``e`` unless ``mu_dtype`` / ``offdiag_dtype`` say otherwise.
+      stats_dtype: dtype of ``d`` (float32 even for bf16 parameters), and of ``m`` and ``e``
+        unless ``mu_dtype`` / ``offdiag_dtype`` say otherwise. The arithmetic runs in it, or in
+        float32 where it is narrower: bf16 statistics are stored in bf16, computed in float32.
       mesh: a ``jax.sharding.Mesh``; with ``param_specs``, the update runs under ``shard_map``,
         each device on its block of every tensor (halos from the neighbouring shards), and
         equals the single-device update.
@@ -231,7 +232,7 @@ def scale_by_sonew(
         Either way ``init`` creates each state array where its parameter lives (and by
         ``param_specs`` where given), the scalars replicated.
       mu_dtype: storage dtype of the first moment ``m`` (e.g. ``jnp.bfloat16``); ``None``
-        means ``stats_dtype``. ``m`` is updated in ``stats_dtype`` and rounded when stored.
+        means ``stats_dtype``. ``m`` is updated in the arithmetic's dtype and rounded when stored.
       offdiag_dtype: storage dtype of the off-diagonal statistics ``e`` (e.g. ``jnp.bfloat16``);
         ``None`` means ``stats_dtype``. The diagonal ``d`` always stays in ``stats_dtype``: the
         correlations ``rho = e / sqrt(d_j d_{j+1})`` tolerate bf16 rounding of ``e`` (a relative
