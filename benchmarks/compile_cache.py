@@ -1,8 +1,7 @@
 """First compile of an optimizer's update, cold and from the trainer's compilation cache.
 
 On a GPU, SONew's update compiles Triton kernels (for bands >= 2 one banded walk per tensor
-shape), so a first step is slow: the 350m train step's took ~50 s for tridiag and over 3.5 min for
-band 4 on an H100. ``trainer.train`` keeps JAX's persistent compilation cache in MODEL_DIR
+shape, each long to compile), so a first step is slow. ``trainer.train`` keeps JAX's persistent compilation cache in MODEL_DIR
 (``trainer.persistent_compilation_cache``), so a run restarted after a preemption loads its
 compiled step instead. This measures what that saves, and that the loaded executable computes the
 same thing: for each optimizer, two fresh processes build the donated update of

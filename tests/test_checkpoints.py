@@ -182,7 +182,7 @@ def test_unfinished_save_is_reported_and_kept_aside(tmp_path, mesh_2x4, caplog):
 
 
 class _SONewStateBeforeGraftLag(NamedTuple):
-    """SONew's state as checkpoints written before ``graft_lag`` (commit 8bbe8dc) hold it: orbax
+    """SONew's state as checkpoints written before ``graft_lag`` existed hold it: orbax
     stores a NamedTuple by its field names, so this stands in for the class of that time."""
 
     count: jax.Array

@@ -20,10 +20,9 @@ from pathlib import Path
 import numpy as np
 
 CONCURRENT = "--xla_gpu_command_buffer_scheduling_mode=CONCURRENT --xla_gpu_graph_min_graph_size=1"
-# In every process. Without it, one H100 run of this test found band 1's tall tensor 1 ulp apart
-# in 117 elements between two processes, and a rerun found every process equal: XLA's choice among
-# kernels (autotuned per process) changed a rounding. With it, serial, flagged and scoped
-# processes came out equal (2026-11-27, jax 0.11.2).
+# In every process: XLA chooses among kernels by autotuning in each process, and a different
+# choice can change a rounding (a GPU run of this test once found band 1's tall tensor 1 ulp apart
+# in some elements between two processes); with it, serial, flagged and scoped processes agree.
 DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
 
 # Writes the parameters after 3 updates of each band to the .npz file named by argv[1], the
