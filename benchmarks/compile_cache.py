@@ -1,10 +1,10 @@
 """First compile of an optimizer's update, cold and from the trainer's compilation cache.
 
-On a GPU, SONew's update compiles Triton kernels (for bands >= 2 one banded walk per tensor
-shape, each long to compile), so a first step is slow. ``trainer.train`` keeps JAX's persistent compilation cache in MODEL_DIR
-(``trainer.persistent_compilation_cache``), so a run restarted after a preemption loads its
-compiled step instead. This measures what that saves, and that the loaded executable computes the
-same thing: for each optimizer, two fresh processes build the donated update of
+On a GPU, SONew's update compiles Triton kernels (for bands >= 2 one banded walk per tensor shape,
+each long to compile), so a first step is slow. ``trainer.train`` keeps JAX's persistent compilation
+cache in MODEL_DIR (``trainer.persistent_compilation_cache``), so a run restarted after a preemption
+loads its compiled step instead. This measures what that saves, and that the loaded executable
+computes the same thing: for each optimizer, two fresh processes build the donated update of
 ``update_speed`` (``updates.make_update``) on the LM-shaped tensors and compile it inside
 ``trainer.persistent_compilation_cache`` at one directory. The first finds it empty and writes the
 entry (``cold``), the second reads it (``warm``). Each process reports:
