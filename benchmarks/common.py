@@ -227,7 +227,11 @@ def run_config(args: argparse.Namespace) -> dict:
         "concurrent": getattr(args, "concurrent", False),
         "jax": jax.__version__,
         "xla_flags": xla_flags(),
-        **({"kernel": {k: repr(v) for k, v in args.kernel}} if args.kernel else {}),
+        **(
+            {"kernel": {k: repr(v) for k, v in args.kernel}}
+            if getattr(args, "kernel", None)
+            else {}
+        ),
     }
 
 

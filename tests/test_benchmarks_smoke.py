@@ -23,6 +23,7 @@ from benchmarks import (
     lowering,
     profile_update,
     sharded_update,
+    tpu_compile,
     train_step,
     update_speed,
     updates,
@@ -498,3 +499,43 @@ def test_lowering_counts_one_walk_program_per_shape(tmp_path, monkeypatch):
     assert adamw["triton_mb"] == 0
     for key in ("trace_s", "lower_s", "mlir_mb", "triton_mb"):
         assert _finite(band4[key]) and band4[key] > 0, key
+
+
+# A compiled TPU module in miniature: a fusion that reads one operand whole and only slices the
+# other, results in HBM and in VMEM (S(1)), an async copy into VMEM and an async slice from HBM.
+_TPU_MODULE = """HloModule jit_update, is_scheduled=true
+
+%fused_computation (param_0: f32[8,128], param_1: f32[16,128]) -> f32[8,128] {
+  %param_0 = f32[8,128]{1,0} parameter(0)
+  %param_1 = f32[16,128]{1,0} parameter(1)
+  %slice.1 = f32[8,128]{1,0} slice(%param_1), slice={[8:16], [0:128]}
+  ROOT %add.1 = f32[8,128]{1,0} add(%param_0, %slice.1)
+}
+
+ENTRY %main (a: f32[8,128], b: f32[16,128]) -> (f32[8,128], f32[8,128]) {
+  %a = f32[8,128]{1,0} parameter(0)
+  %b = f32[16,128]{1,0} parameter(1)
+  %fusion.1 = f32[8,128]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_computation
+  %fusion.2 = f32[8,128]{1,0:S(1)} fusion(%a, %b), kind=kLoop, calls=%fused_computation
+  %copy-start.1 = (f32[8,128]{1,0:S(1)}, f32[8,128]{1,0}, u32[]) copy-start(%a)
+  %copy-done.1 = f32[8,128]{1,0:S(1)} copy-done(%copy-start.1)
+  %slice-start.1 = ((f32[16,128]{1,0}), f32[4,128]{1,0:S(1)}, s32[]) slice-start(%b)
+  %slice-done.1 = f32[4,128]{1,0:S(1)} slice-done(%slice-start.1)
+  ROOT %tuple.1 = (f32[8,128]{1,0}, f32[8,128]{1,0}) tuple(%fusion.1, %copy-done.1)
+}
+"""
+
+
+def test_tpu_compile_counts_what_the_schedule_moves_through_hbm():
+    """Each fusion reads ``a`` whole (4 KiB) and half of ``b`` (the slice it uses: 4 KiB, not
+    8); the first writes its result to HBM, the second to VMEM (free); the async copy reads ``a``
+    from HBM into VMEM; the async slice reads its 4 rows (2 KiB)."""
+    total, by_opcode = tpu_compile.hbm_bytes(_TPU_MODULE)
+    page = 8 * 128 * 4
+    assert by_opcode == {
+        "fusion": 3 * page + 2 * page,
+        "copy-start": page,
+        "slice-start": page // 2,
+    }
+    assert total == sum(by_opcode.values())
+    assert tpu_compile.arrays("(f32[2,3]{1,0:T(2,128)S(1)}, bf16[4]{0})") == [(24, 1), (8, 0)]

@@ -1,0 +1,207 @@
+"""An update compiled for a TPU on any host: the HBM bytes its schedule moves, against AdamW's.
+
+TPUs run SONew's XLA path (``implementation="xla"``; the kernels are GPU kernels), and the update
+is memory-bound, so its time follows the bytes it moves through HBM. libtpu compiles for a TPU
+topology without a TPU (``jax.experimental.topologies``: "deviceless" compilation), so this runs on
+a CPU host: for each optimizer it compiles the donated update of the LM set (``updates``,
+``lm_shapes``) on abstract arrays on one chip of ``--topology``, and reads the compiled module:
+
+* ``hbm_b_per_param``: the bytes the top-level instructions read from and write to HBM (memory
+  space 0; operands and results that XLA's memory-space assignment put in VMEM are free), per
+  parameter (:func:`hbm_bytes`). AdamW's floor is 28 (fp32: ``g``, ``m``, ``v``, ``p`` read, ``m``,
+  ``v``, ``p`` written); the compiler's own ``cost_analysis()`` counts VMEM traffic too, so it is
+  not used;
+* ``ratio_vs_adamw``: that against AdamW's, compiled the same way: what a TPU's update time would
+  be relative to AdamW's if both ran at the same bandwidth;
+* ``fusions``, ``copies`` (``copy`` and ``copy-start``): launches and layout or memory-space moves.
+
+Needs libtpu (``pip install 'jax[tpu]'`` gives the version this JAX pins); nothing is allocated.
+
+Output: a table, and ``--out`` (default ``benchmarks/results/tpu_compile.json``) ``{"device",
+"date", "params", "config", "rows": [{"optimizer", "hbm_b_per_param", "ratio_vs_adamw",
+"fusions", "copies", "compile_s"}]}``.
+
+Usage: ``python -m benchmarks.tpu_compile [--topology v5e:2x2] [--optimizers adamw,sonew_tridiag]``.
+"""
+
+import argparse
+import collections
+import re
+import time
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from benchmarks import common, lm_shapes, updates
+
+COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies", "compile_s")
+_ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEM) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*)$")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.MULTILINE)
+# Instructions that move no data of their own (aliases, views, bookkeeping): the async slice's and
+# copy's second halves are counted at their starts (reads) and ends (writes).
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
+_FREE |= {"slice-done", "opt-barrier", "partition-id", "replica-id"}
+
+
+def arrays(text: str) -> list[tuple[int, int]]:
+    """``(bytes, memory space)`` of every array in an HLO shape's ``text`` (a tuple's in order);
+    the memory space is the layout's ``S(n)``, 0 (HBM) without one."""
+    found = []
+    for dtype, dims, layout in _ARRAY.findall(text):
+        size = _ITEM[dtype]
+        for dim in filter(None, dims.split(",")):
+            size *= int(dim)
+        space = re.search(r"S\((\d+)\)", layout)
+        found.append((size, int(space.group(1)) if space else 0))
+    return found
+
+
+def _computations(text: str) -> dict[str, list[str]]:
+    """The module's computations by name: their instruction lines."""
+    starts = [(m.start(), m.group(1)) for m in _COMPUTATION.finditer(text)]
+    ends = [s for s, _ in starts[1:]] + [len(text)]
+    return {name: text[s:e].splitlines()[1:] for (s, name), e in zip(starts, ends, strict=True)}
+
+
+def _parsed(lines: list[str]) -> list[tuple[str, str, str, list[str], str]]:
+    """``(name, shape, opcode, operands, line)`` of each instruction line."""
+    found = []
+    for line in lines:
+        match = _INSTRUCTION.match(line)
+        if match:
+            name, shape, opcode, rest = match.groups()
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            found.append((name, shape, opcode, operands, line))
+    return found
+
+
+def _sliced_reads(body: list[str]) -> dict[int, int]:
+    """For a fused computation: the bytes it reads of each parameter that only slices use (the
+    slices' sizes, not the operand's); parameters read whole are absent."""
+    instructions = _parsed(body)
+    params = {}
+    for name, _, opcode, _, line in instructions:
+        if opcode == "parameter":
+            params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
+    users = collections.defaultdict(list)
+    for _, shape, opcode, operands, _ in instructions:
+        for operand in operands:
+            if operand in params:
+                users[operand].append((opcode, sum(b for b, _ in arrays(shape))))
+    return {
+        params[name]: sum(size for _, size in uses)
+        for name, uses in users.items()
+        if all(opcode in ("slice", "dynamic-slice") for opcode, _ in uses)
+    }
+
+
+def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
+    """The bytes a compiled TPU module's entry computation moves through HBM, in all and by
+    opcode: each instruction's operands and results in memory space 0, an operand that its
+    fusion only slices counted at the slices' size, an async copy's or slice's read at its start
+    and its write at its end."""
+    computations = _computations(text)
+    entry = re.search(r"^ENTRY %([\w.\-]+) ", text, re.MULTILINE).group(1)
+    shapes: dict[str, list[tuple[int, int]]] = {}
+    by_opcode: collections.Counter = collections.Counter()
+    for name, shape, opcode, operands, line in _parsed(computations[entry]):
+        results = shapes[name] = arrays(shape)
+        if opcode in _FREE:
+            continue
+        inputs = [shapes.get(operand, []) for operand in operands]
+        if opcode == "slice-start":  # reads the slice from its source
+            moved = results[-2][0] if inputs and inputs[0] and inputs[0][0][1] == 0 else 0
+        elif opcode == "copy-start":
+            moved = sum(b for x in inputs for b, space in x if space == 0)
+        elif opcode == "copy-done":
+            moved = sum(b for b, space in results[:1] if space == 0)
+        else:
+            called = re.search(r"calls=%([\w.\-]+)", line)
+            sliced = _sliced_reads(computations[called.group(1)]) if opcode == "fusion" else {}
+            moved = sum(b for b, space in results if space == 0)
+            for k, x in enumerate(inputs):
+                whole = sum(b for b, space in x if space == 0)
+                moved += min(whole, sliced[k]) if k in sliced else whole
+        if moved:
+            by_opcode[opcode] += moved
+    return sum(by_opcode.values()), by_opcode
+
+
+def topology_device(name: str):
+    """One chip of TPU topology ``name`` (e.g. ``v5e:2x2``), compiled for without a TPU."""
+    from jax.experimental import topologies
+
+    try:
+        return topologies.get_topology_desc(topology_name=name, platform="tpu").devices[0]
+    except Exception as error:  # libtpu missing, or a name it does not know
+        raise SystemExit(
+            f"tpu_compile: no TPU topology {name!r} ({type(error).__name__}: {error}); this needs "
+            "libtpu: pip install 'jax[tpu]' gives the version this JAX pins"
+        ) from error
+
+
+def compile_update(name: str, shapes, device) -> dict:
+    """``name``'s donated update of ``shapes`` compiled for ``device``'s TPU, read by
+    :func:`hbm_bytes`."""
+    sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
+
+    def on_tpu(tree):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+        )
+
+    tx = updates.make_optimizer(name)
+    params, state = on_tpu(shapes), on_tpu(jax.eval_shape(tx.init, shapes))
+    start = time.perf_counter()
+    text = updates.make_update(tx).lower(params, state, params).compile().as_text()
+    seconds = time.perf_counter() - start
+    moved, _ = hbm_bytes(text)
+    entry = text[text.index("\nENTRY") :]
+    return {
+        "optimizer": name,
+        "hbm_b_per_param": moved / lm_shapes.count(shapes),
+        "fusions": len(re.findall(r" fusion\(", entry)),
+        "copies": len(re.findall(r" copy(?:-start)?\(", entry)),
+        "compile_s": seconds,
+    }
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    p = common.argument_parser(__doc__)
+    common.add_optimizers_arg(p, updates.OPTIMIZERS, "adamw,sonew_diag,sonew_tridiag,sonew_band4")
+    lm_shapes.add_args(p)
+    p.add_argument("--topology", default="v5e:2x2", help="TPU topology compiled for (one chip)")
+    common.add_out_arg(p, "tpu_compile")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    """Runs the benchmark, prints the table, writes and returns the JSON object (rewritten after
+    every optimizer)."""
+    args = parse_args(argv)
+    device = topology_device(args.topology)
+    shapes = lm_shapes.from_args(args)
+    result = common.lm_set_result(args, lm_shapes.count(shapes), topology=args.topology)
+    result["device"] = f"{device.device_kind} (compiled without one, on {result['device']})"
+    for name in args.optimizers:
+        row = compile_update(name, shapes, device)
+        result["rows"].append(row)
+        print(
+            f"{name}: {row['hbm_b_per_param']:.1f} B/param ({row['compile_s']:.0f} s)", flush=True
+        )
+        common.write_json(args.out, result)
+    adamw = {r["optimizer"]: r for r in result["rows"]}.get("adamw")
+    for row in result["rows"]:
+        row["ratio_vs_adamw"] = row["hbm_b_per_param"] / adamw["hbm_b_per_param"] if adamw else None
+    common.write_json(args.out, result)
+    print(f"\ncompiled for {device.device_kind}, {result['params'] / 1e6:.1f}M parameters\n")
+    print(common.format_table(result["rows"], COLUMNS))
+    return result
+
+
+if __name__ == "__main__":
+    main()
