@@ -26,6 +26,7 @@ Usage: ``python -m benchmarks.tpu_compile [--topology v5e:2x2] [--optimizers ada
 
 import argparse
 import collections
+import math
 import re
 import time
 
@@ -38,6 +39,7 @@ COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies"
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(" + "|".join(_ITEM) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_DIMS = re.compile(r"\b(?:" + "|".join(_ITEM) + r")\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.MULTILINE)
 # Instructions that move no data of their own (aliases, views, bookkeeping): the async slice's and
@@ -78,6 +80,19 @@ def _parsed(lines: list[str]) -> list[tuple[str, str, str, list[str], str]]:
     return found
 
 
+def _elements(text: str) -> int:
+    """The most elements of any array in an HLO shape's ``text``."""
+    return max(
+        (math.prod(int(d) for d in dims.split(",") if d) for dims in _DIMS.findall(text)), default=1
+    )
+
+
+def _reduces(body: list[str]) -> bool:
+    """Whether a fused computation reduces (then it reads its operands whole, whatever its
+    results' size)."""
+    return any(opcode.startswith("reduce") for _, _, opcode, _, _ in _parsed(body))
+
+
 def _sliced_reads(body: list[str]) -> dict[int, int]:
     """For a fused computation: the bytes it reads of each parameter that only slices use (the
     slices' sizes, not the operand's); parameters read whole are absent."""
@@ -106,9 +121,11 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
     computations = _computations(text)
     entry = re.search(r"^ENTRY %([\w.\-]+) ", text, re.MULTILINE).group(1)
     shapes: dict[str, list[tuple[int, int]]] = {}
+    texts: dict[str, str] = {}
     by_opcode: collections.Counter = collections.Counter()
     for name, shape, opcode, operands, line in _parsed(computations[entry]):
         results = shapes[name] = arrays(shape)
+        texts[name] = shape
         if opcode in _FREE:
             continue
         inputs = [shapes.get(operand, []) for operand in operands]
@@ -119,15 +136,33 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
         elif opcode == "copy-done":
             moved = sum(b for b, space in results[:1] if space == 0)
         else:
-            called = re.search(r"calls=%([\w.\-]+)", line)
-            sliced = _sliced_reads(computations[called.group(1)]) if opcode == "fusion" else {}
             moved = sum(b for b, space in results if space == 0)
-            for k, x in enumerate(inputs):
-                whole = sum(b for b, space in x if space == 0)
-                moved += min(whole, sliced[k]) if k in sliced else whole
+            reads = [sum(b for b, space in x if space == 0) for x in inputs]
+            if opcode == "fusion":
+                reads = _fusion_reads(computations, line, shape, operands, texts, reads)
+            moved += sum(reads)
         if moved:
             by_opcode[opcode] += moved
     return sum(by_opcode.values()), by_opcode
+
+
+def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -> list[int]:
+    """A fusion's HBM reads per operand (``reads``: each operand's whole size in HBM), at most the
+    slices it takes (:func:`_sliced_reads`) and, where it does not reduce, at most one element
+    per result element (it computes only its results' elements: a fused slice reads only what
+    it keeps)."""
+    body = computations[re.search(r"calls=%([\w.\-]+)", line).group(1)]
+    sliced = _sliced_reads(body)
+    reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
+    if _reduces(body):
+        return reads
+    elements = _elements(shape)
+    capped = []
+    for operand, read in zip(operands, reads, strict=True):
+        text = texts.get(operand, "")
+        item = max((_ITEM[dtype] for dtype, _, _ in _ARRAY.findall(text)), default=0)
+        capped.append(min(read, item * elements))
+    return capped
 
 
 def topology_device(name: str):

@@ -512,11 +512,25 @@ _TPU_MODULE = """HloModule jit_update, is_scheduled=true
   ROOT %add.1 = f32[8,128]{1,0} add(%param_0, %slice.1)
 }
 
+%fused_late_slice (param_0: f32[16,128]) -> f32[8,128] {
+  %param_0 = f32[16,128]{1,0} parameter(0)
+  %negate.1 = f32[16,128]{1,0} negate(%param_0)
+  ROOT %slice.2 = f32[8,128]{1,0} slice(%negate.1), slice={[0:8], [0:128]}
+}
+
+%fused_sum (param_0: f32[16,128]) -> f32[] {
+  %param_0 = f32[16,128]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %reduce.1 = f32[] reduce(%param_0, %zero), dimensions={0,1}, to_apply=%add
+}
+
 ENTRY %main (a: f32[8,128], b: f32[16,128]) -> (f32[8,128], f32[8,128]) {
   %a = f32[8,128]{1,0} parameter(0)
   %b = f32[16,128]{1,0} parameter(1)
   %fusion.1 = f32[8,128]{1,0} fusion(%a, %b), kind=kLoop, calls=%fused_computation
   %fusion.2 = f32[8,128]{1,0:S(1)} fusion(%a, %b), kind=kLoop, calls=%fused_computation
+  %fusion.3 = f32[8,128]{1,0:S(1)} fusion(%b), kind=kLoop, calls=%fused_late_slice
+  %fusion.4 = f32[]{:S(1)} fusion(%b), kind=kLoop, calls=%fused_sum
   %copy-start.1 = (f32[8,128]{1,0:S(1)}, f32[8,128]{1,0}, u32[]) copy-start(%a)
   %copy-done.1 = f32[8,128]{1,0:S(1)} copy-done(%copy-start.1)
   %slice-start.1 = ((f32[16,128]{1,0}), f32[4,128]{1,0:S(1)}, s32[]) slice-start(%b)
@@ -527,13 +541,15 @@ ENTRY %main (a: f32[8,128], b: f32[16,128]) -> (f32[8,128], f32[8,128]) {
 
 
 def test_tpu_compile_counts_what_the_schedule_moves_through_hbm():
-    """Each fusion reads ``a`` whole (4 KiB) and half of ``b`` (the slice it uses: 4 KiB, not
-    8); the first writes its result to HBM, the second to VMEM (free); the async copy reads ``a``
-    from HBM into VMEM; the async slice reads its 4 rows (2 KiB)."""
+    """The first two fusions read ``a`` whole (4 KiB) and half of ``b`` (the slice they use: 4
+    KiB, not 8); the first writes its result to HBM, the others to VMEM (free); the third slices
+    after an elementwise op, and computes only its 8 result rows (4 KiB); the reduction reads
+    ``b`` whole (8 KiB); the async copy reads ``a`` from HBM into VMEM; the async slice reads its
+    4 rows (2 KiB)."""
     total, by_opcode = tpu_compile.hbm_bytes(_TPU_MODULE)
     page = 8 * 128 * 4
     assert by_opcode == {
-        "fusion": 3 * page + 2 * page,
+        "fusion": 3 * page + 2 * page + page + 2 * page,
         "copy-start": page,
         "slice-start": page // 2,
     }
