@@ -216,14 +216,16 @@ def kernel_edges(
     before, after = halo_width(band)
     compute = pointwise.compute_dtype(ds[0].dtype)
     rows = ds[0].shape[0]
-    arrays = [
-        y.astype(compute)
-        for g, m, d, e in zip(gs, ms, ds, es, strict=True)
-        for y in (g[None], m[None], d[None], e)
-    ]
 
     def rows_of(start: int, stop: int) -> jax.Array:
-        return jnp.concatenate([lax.slice_in_dim(y, start, stop, axis=1) for y in arrays])
+        """Rows ``start:stop`` of every array (and of each of ``e``'s off-diagonals), stacked:
+        each sliced along its own axis 0 before anything else. Stacked or sliced along another
+        axis first, a TPU's layout assignment relays whole arrays out to take a few rows."""
+        slabs = []
+        for g, m, d, e in zip(gs, ms, ds, es, strict=True):
+            for x in (g, m, d, *e):
+                slabs.append(lax.slice_in_dim(x, start, stop, axis=0)[None].astype(compute))
+        return jnp.concatenate(slabs)
 
     pre, post = yield from edges_of(rows_of(rows - before, rows), rows_of(0, after), layout)
     buffer = jnp.concatenate([pre, post], axis=1).reshape(-1)
