@@ -196,6 +196,53 @@ def test_one_exchange_per_step_whatever_the_number_of_tensors(implementation, fe
     assert few["all-reduce"] == many["all-reduce"] == 1, (few, many)
 
 
+# Blocks of at least 2 * 4 - 1 = 7 rows, where band 4's XLA step runs on the block extended by its
+# neighbours' rows: along a sharded axis 0 (chain ends and shard boundaries), along an unsharded
+# axis 0 whose columns wrap across shards, and both.
+THICK = {
+    "rows": ((16, 3), P("data", None)),
+    "cols": ((8, 8), P(None, "model")),
+    "both": ((14, 12), P("data", "model")),
+}
+
+
+def _thick(copies: int = 1):
+    rng = np.random.default_rng(copies)
+    params = {
+        f"{k}{i}": jnp.asarray(rng.normal(size=s))
+        for k, (s, _) in THICK.items()
+        for i in range(copies)
+    }
+    specs = {f"{k}{i}": spec for k, (_, spec) in THICK.items() for i in range(copies)}
+    return params, specs
+
+
+def test_band4_on_extended_blocks_equals_unsharded_with_one_exchange(x64):
+    """Bands >= 2 on XLA run a thick enough block's step on the block extended by its chain
+    neighbours' rows (``engine._on_extended_block``): the same numbers as one device, and the
+    rows of all tensors travel in one exchange per direction and set of mesh axes, so 3 and 9
+    tensors send as many collective-permutes (the per-shift exchanges sent dozens per tensor)."""
+    mesh = make_mesh((2, 4))
+    params, specs = _thick()
+    rng = np.random.default_rng(4)
+    grads_seq = [
+        jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape)), params) for _ in range(3)
+    ]
+    kwargs = dict(band=4, eps=1e-4, gamma=1e-6, stats_dtype=jnp.float64, implementation="xla")
+    assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
+
+    def counts(copies):
+        tree, tree_specs = _thick(copies)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+        return _collectives(
+            _compiled_update(abstract, tree_specs, mesh, band=4, implementation="xla")
+        )
+
+    few, many = counts(1), counts(3)
+    assert few == many, (few, many)
+    assert 0 < few["collective-permute"] <= 8 and few["all-reduce"] == 1
+
+
 def test_state_partition_specs_for_chains_and_abstract_states():
     params, specs = case((2, 4))
     tx = optax.chain(

@@ -9,7 +9,8 @@ per shard) the step runs
   collective-permute per mesh axes and direction), then the tensors of one launch key share
   launches;
 * on XLA elsewhere (:func:`_leaf_step`): ``pointwise``'s functions on chain shifts (``chain``)
-  for bands 0 and 1, ``solve.precondition`` for wider bands.
+  for bands 0 and 1, ``solve.precondition`` for wider bands (on a shard's block extended by its
+  ``edges``, :func:`_on_extended_block`).
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one
@@ -150,6 +151,8 @@ def _banded_step(
         step = pointwise.diagonal_step(raw, corrections, hyper)
     elif band == 1:
         step = _tridiagonal_step(raw, e, edge, corrections, hyper)
+    elif edge is not None:
+        step = _on_extended_block(raw, e, band, corrections, hyper, edge)
     else:
         m, d = pointwise.moments(raw, hyper)
         successors = jnp.stack([shift(raw.g, k, layout) for k in range(1, band + 1)])
@@ -157,6 +160,32 @@ def _banded_step(
         u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, layout)
         step = Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
     return step, norm_pairs(_normed(step, corrections, hyper)) if _has_norms(hyper) else None
+
+
+def _on_extended_block(raw: Raw, e: jax.Array, band: int, corrections, hyper: Hyper, edge) -> Step:
+    """Bands >= 2 on a shard's block: the whole-tensor step on the block extended by the rows
+    its chain neighbours hold (its ``edge``, exchanged with those of every other tensor,
+    ``_edges``), cut back to the block. Each column of the extended block is the block's column
+    with its chain's ``halo_width`` rows before and after it, which is all the step reads for the
+    block's own rows, so the extended block's wraps between columns are never read. One exchange
+    for the whole tree, instead of one per shift (``chain.shift``) per tensor; the extension is
+    one more pass over the block."""
+    pre, post = _edge_rows(edge, band, raw.g.shape)
+
+    def extended(x: jax.Array, k: int) -> jax.Array:
+        return jnp.concatenate([pre[k].astype(x.dtype), x, post[k].astype(x.dtype)])
+
+    g, m, d = (extended(x, k) for k, x in enumerate(raw))
+    e_ext = jnp.stack([extended(e[j].astype(raw.d.dtype), 3 + j) for j in range(band)])
+    step, _ = _banded_step(
+        Raw(g, m, d), e_ext, band, corrections, hyper, ChainLayout.unsharded(g.shape), None
+    )
+    start, rows = halo_width(band)[0], raw.g.shape[0]
+
+    def block(x: jax.Array, axis: int = 0) -> jax.Array:
+        return jax.lax.slice_in_dim(x, start, start + rows, axis=axis)
+
+    return Step(block(step.adam), block(step.u), block(step.m), block(step.d), block(step.e, 1))
 
 
 def _has_norms(hyper: Hyper) -> bool:
@@ -348,8 +377,9 @@ def _halos(
 
 
 def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> list:
-    """The ``edges`` (``kernels.Edges``) of every band >= 1 kernel tensor and every band-1 tensor
-    on XLA, ``None`` for the others: those of the tensors of one layout, band and statistics
+    """The ``edges`` (``kernels.Edges``) of every band >= 1 kernel tensor, every band-1 tensor on
+    XLA and every sharded band >= 2 tensor on XLA thick enough to extend (:func:`_extends`),
+    ``None`` for the others: those of the tensors of one layout, band and statistics
     dtype built together (``kernels.kernel_edges``). Sharded, the slabs of all tensors that go
     the same way travel together: one collective-permute per mesh axes, direction and round
     (``chain.run``), whatever the number of tensors."""
@@ -363,7 +393,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
         kernel = _on_kernel(kernels, lay, band, hyper)
         if band == 1 and not kernel:
             m[k], d[k] = _xla_edge_inputs(grads[k], m[k], d[k], hyper)
-        if kernel or band == 1:
+        if kernel or band == 1 or _extends(grads[k], lay, band):
             groups.setdefault((lay, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
     programs = [
         pallas.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
@@ -374,6 +404,13 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
         for k, x in zip(members, found, strict=True):
             edges[k] = x
     return edges
+
+
+def _extends(g: jax.Array, layout: ChainLayout, band: int) -> bool:
+    """Whether a band >= 2 tensor's XLA step runs on its block extended by its neighbours' rows
+    (:func:`_on_extended_block`): sharded, with at least as many rows as one hop of the halo
+    (``chain.edges_of``); thinner shards shift through ``chain.shift``'s exchanges."""
+    return band >= 2 and bool(layout.mesh_axes) and g.shape[0] >= max(halo_width(band))
 
 
 def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> tuple:
