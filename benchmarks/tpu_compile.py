@@ -39,7 +39,6 @@ COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies"
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 _ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _ARRAY = re.compile(r"\b(" + "|".join(_ITEM) + r")\[([0-9,]*)\](\{[^}]*\})?")
-_DIMS = re.compile(r"\b(?:" + "|".join(_ITEM) + r")\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*)$")
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.MULTILINE)
 # Instructions that move no data of their own (aliases, views, bookkeeping): the async slice's and
@@ -83,20 +82,21 @@ def _parsed(lines: list[str]) -> list[tuple[str, str, str, list[str], str]]:
 def _elements(text: str) -> int:
     """The most elements of any array in an HLO shape's ``text``."""
     return max(
-        (math.prod(int(d) for d in dims.split(",") if d) for dims in _DIMS.findall(text)), default=1
+        (math.prod(int(d) for d in dims.split(",") if d) for _, dims, _ in _ARRAY.findall(text)),
+        default=1,
     )
 
 
-def _reduces(body: list[str]) -> bool:
-    """Whether a fused computation reduces (then it reads its operands whole, whatever its
-    results' size)."""
-    return any(opcode.startswith("reduce") for _, _, opcode, _, _ in _parsed(body))
+def _reduces(instructions: list) -> bool:
+    """Whether a fused computation (its :func:`_parsed` instructions) reduces (then it reads its
+    operands whole, whatever its results' size)."""
+    return any(opcode.startswith("reduce") for _, _, opcode, _, _ in instructions)
 
 
-def _sliced_reads(body: list[str]) -> dict[int, int]:
-    """For a fused computation: the bytes it reads of each parameter that only slices use (the
-    slices' sizes, not the operand's); parameters read whole are absent."""
-    instructions = _parsed(body)
+def _sliced_reads(instructions: list) -> dict[int, int]:
+    """For a fused computation (its :func:`_parsed` instructions): the bytes it reads of each
+    parameter that only slices use (the slices' sizes, not the operand's); parameters read whole
+    are absent."""
     params = {}
     for name, _, opcode, _, line in instructions:
         if opcode == "parameter":
@@ -151,7 +151,7 @@ def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -
     slices it takes (:func:`_sliced_reads`) and, where it does not reduce, at most one element
     per result element (it computes only its results' elements: a fused slice reads only what
     it keeps)."""
-    body = computations[re.search(r"calls=%([\w.\-]+)", line).group(1)]
+    body = _parsed(computations[re.search(r"calls=%([\w.\-]+)", line).group(1)])
     sliced = _sliced_reads(body)
     reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
     if _reduces(body):
