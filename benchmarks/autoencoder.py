@@ -396,6 +396,19 @@ def sonew_eps(text: str) -> float:
     return float(text)
 
 
+def sonew_eps_arg(text: str) -> str:
+    """``--sonew_eps``: ``paper``, ``default`` or a positive number (checked when parsed)."""
+    if text in ("paper", "default"):
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected paper, default or a number > 0, got {text!r}")
+    return text
+
+
 def parse_floats(text: str) -> list[float]:
     """A comma-separated list of floats."""
     return [float(v) for v in text.split(",") if v]
@@ -531,6 +544,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--sonew_eps",
         default="paper",
+        type=sonew_eps_arg,
         help="SONew's ε: 'paper' (the paper's table, per variant), 'default' (the library's, "
         "with --sonew_damping mean: sonew()'s defaults) or a number for every variant",
     )

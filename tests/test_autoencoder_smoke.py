@@ -113,3 +113,6 @@ def test_sonew_eps_flag_replaces_the_papers_for_sonew_only():
         assert band4["eps"] == (paper["sonew_band4"]["eps"] if expected is None else expected)
         assert band4["learning_rate"] == paper["sonew_band4"]["learning_rate"]
         assert autoencoder.runs_for("adam", args)[0]["eps"] == paper["adam"]["eps"]
+    for bad in ("tiny", "0", "-1e-3"):
+        with pytest.raises(SystemExit):
+            autoencoder.parse_args(["--sonew_eps", bad])
