@@ -98,10 +98,11 @@ def _tridiagonal_step(
     pre, post = _materialized((pre, post))
     g_after = _successors(raw.g, post[0, 0])
     m, d = pointwise.moments(raw, hyper)
-    # In the stored layout (1, *shape): the new e of a reshaped result is copied, not in place.
-    e_new = pointwise.edge_statistic(e.astype(raw.d.dtype), raw.g[None], g_after[None], hyper)
-    m, d, e_new = _materialized((m, d, e_new))
-    e_here = e_new[0]
+    # In the tensor's own layout, stored as (1, *shape): a TPU compiles this to fewer bytes
+    # (tpu_compile: 70.8 against 76.4 B/param); on GPUs the reshaped result was copied before.
+    e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, g_after, hyper)
+    m, d, e_here = _materialized((m, d, e_here))
+    e_new = e_here[None]
     e_pre = pointwise.edge_statistic(pre[3, 0], pre[0, 0], raw.g[0], hyper)
     here = [raw.g, m, d]
     after = [g_after] + [
