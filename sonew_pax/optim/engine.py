@@ -99,7 +99,7 @@ def _tridiagonal_step(
     g_after = _successors(raw.g, post[0, 0])
     m, d = pointwise.moments(raw, hyper)
     # In the tensor's own layout, stored as (1, *shape): a TPU compiles this to fewer bytes
-    # (tpu_compile: 70.8 against 76.4 B/param); on GPUs the reshaped result was copied before.
+    # (benchmarks/tpu_compile.py); on GPUs the reshaped result was once copied (measure first).
     e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, g_after, hyper)
     m, d, e_here = _materialized((m, d, e_here))
     e_new = e_here[None]
