@@ -62,7 +62,8 @@ DAMPINGS = ("absolute", "mean", "max")
 # gradients' squared scale as an absolute one does (whose best moved from 1.3e-6 on the paper's
 # MNIST autoencoder to 1e-10 on a 134M-parameter LM). With only the learning rate tuned, 0.1 was
 # the best on the 134M LM, within 1% of the best loss on a 14M LM and on the MNIST autoencoder
-# (0.2% behind 5e-2) and 1.2% behind on a 0.4M LM (benchmarks/README.md). ``gamma`` is the relative
+# (0.2% behind 5e-2) and 1.2% behind on a 0.4M LM, where 5e-2 is within 0.4% but 2.1% behind on
+# the 134M LM (benchmarks/README.md). ``gamma`` is the relative
 # Schur-complement tolerance of Algorithm 3: ``1 - rho^2 <= 1e-4`` (|correlation| > 0.99995) is
 # within ~1e3 float32 roundings of zero, so such edges are dropped rather than trusted.
 DEFAULT_EPS = 0.1
