@@ -98,8 +98,9 @@ def _tridiagonal_step(
     pre, post = _materialized((pre, post))
     g_after = _successors(raw.g, post[0, 0])
     m, d = pointwise.moments(raw, hyper)
-    # In the tensor's own layout, stored as (1, *shape): a TPU compiles this to fewer bytes
-    # (benchmarks/tpu_compile.py); on GPUs the reshaped result was once copied (measure first).
+    # The new e in the tensor's own layout, stored as (1, *shape): a TPU's compile moves fewer
+    # bytes than for the stored layout (benchmarks/tpu_compile.py), and a GPU's still writes it
+    # in place (no copy; benchmarks/update_speed.py's XLA rows).
     e_here = pointwise.edge_statistic(e[0].astype(raw.d.dtype), raw.g, g_after, hyper)
     m, d, e_here = _materialized((m, d, e_here))
     e_new = e_here[None]
