@@ -347,20 +347,25 @@ def _nrm2_combine(acc: tuple, x: tuple) -> tuple:
 
 
 def norm_pairs(xs: list[jax.Array]) -> jax.Array:
-    """Each array's local ``(scale, sum (x / scale)^2)`` norm pair, safe from underflow and
-    overflow, in one pass: ``(2 len(xs), 1)``, rows ``scale_0, sum_0, scale_1, ...`` (the layout
-    of the kernels' per-tile pairs, with one tile). ``||x|| = scale sqrt(sum)`` once merged over
-    the shards (:func:`merge_shards`).
+    """Each array's local ``(scale, sum (x / scale)^2)`` norm pairs per row (its first axis; one
+    pair for a vector), safe from underflow and overflow, in one pass: ``(2 len(xs), rows)``,
+    rows ``scale_0, sum_0, scale_1, ...`` (the layout of the kernels' per-tile pairs, a row per
+    tile). ``||x|| = scale sqrt(sum)`` once merged over the rows and the shards
+    (:func:`merge_pairs`, :func:`merge_shards`).
 
     One variadic reduction over the pairs (:func:`_nrm2_combine`) for all ``xs`` together: the
-    inputs are read once instead of four times for two two-pass norms.
+    inputs are read once instead of four times for two two-pass norms. It stops at one pair per
+    row so that the caller merges the rows of many tensors in one reduction: finished here, each
+    tensor's norms took a small reduction kernel of their own after the pass.
     """
     operands, inits = [], []
     for x in xs:
         operands += [jnp.abs(x), jnp.ones_like(x)]
         inits += [jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)]
-    pairs = lax.reduce(tuple(operands), tuple(inits), _nrm2_combine, tuple(range(xs[0].ndim)))
-    return jnp.stack(pairs)[:, None]
+    ndim = xs[0].ndim
+    axes = tuple(range(1, ndim)) if ndim >= 2 else (0,)
+    pairs = lax.reduce(tuple(operands), tuple(inits), _nrm2_combine, axes)
+    return jnp.stack(pairs).reshape(len(pairs), -1)
 
 
 def merge_shards(

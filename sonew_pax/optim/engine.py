@@ -229,8 +229,9 @@ def _leaf_step(
     ``u`` is the direction (Adam's for tensors that are not preconditioned) in the arithmetic's
     dtype (``pointwise.compute_dtype``).
     ``graft`` is ``None`` without norm pairs (:func:`_has_norms`), else the local pairs of
-    :func:`_normed`'s arrays as ``(4, 1)`` or ``(6, 1)`` (``chain.norm_pairs``): the kernels'
-    per-tile pairs with one tile, which :func:`_norm_results` merges with every other tensor's.
+    :func:`_normed`'s arrays as ``(4, rows)`` or ``(6, rows)`` (``chain.norm_pairs``): the
+    kernels' per-tile pairs with a tile per row, which :func:`_norm_results` merges with every
+    other tensor's.
     """
     raw = _raw(g, m, d)
     if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
@@ -433,7 +434,7 @@ def _norm_results(
     """Each tensor's graft ratio ``||adam|| / ||u||`` (``None`` without grafting) and a relative
     damping's scale for the next step (:func:`_diag_scales`; ``None`` with the absolute one) from
     :func:`_leaf_steps`' local norm pairs ``(2 pairs, tiles)`` of the kernels' tiles, or of the XLA
-    step (one tile); ``None`` for tensors without pairs.
+    step (a tile per row); ``None`` for tensors without pairs.
 
     The pairs are merged over the tiles (``chain.merge_pairs``) for the tensors of one shape
     together (up to ``_GRAFT_GROUP`` at a time, over their stacked pairs): a model's update
