@@ -18,7 +18,7 @@ place:
   whole tensor and on each shard's block, whose edges come from the other shards in one
   collective-permute per mesh axes and direction;
 * each program writes per-tile norm pairs of Adam's direction and of ``u``; XLA merges them into
-  the graft ratios (and, sharded, across shards in one ``pmax`` and one ``psum``);
+  the graft ratios (and, sharded, across shards in one ``psum``: ``chain.merge_shards``);
 * tensors of one shape share launches (``launch.group_update``) so that small ones fill the GPU.
 
 The math is ``pointwise``'s and ``solve``'s, the functions the XLA path runs, so both agree to
