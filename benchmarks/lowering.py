@@ -6,7 +6,7 @@ therefore make a first step slow in two ways: the host's tracing and lowering, a
 compile per distinct program (long for the banded walk: ``KernelConfig.max_banded_group``).
 Neither needs a GPU to count: JAX lowers for CUDA on any machine
 (``Traced.lower(lowering_platforms=("cuda",))``), so this also runs on a CPU, with SONew's
-compiled kernel path forced (not Pallas' interpreter, as
+compiled kernel path forced (``KernelConfig(interpret=False)``, not Pallas' interpreter, as
 ``tests/test_kernels.py::test_kernels_lower_to_triton_for_cuda`` does). Nothing is allocated: the
 update is traced on abstract arrays, so the full 335M-parameter set lowers on a laptop.
 
@@ -27,8 +27,8 @@ Usage: ``python -m benchmarks.lowering [--optimizers sonew_band4_lag_pallas] [--
 import argparse
 import collections
 import contextlib
+import dataclasses
 import functools
-import importlib
 import re
 import time
 from collections.abc import Iterator
@@ -55,15 +55,15 @@ _CALL = re.compile(r"\bcall @(\w+)\(")
 
 @contextlib.contextmanager
 def compiled_kernels() -> Iterator[None]:
-    """SONew's kernels as they lower on an NVIDIA GPU, on any backend: compiled, not in Pallas'
-    interpreter, their multiply-adds as PTX (``launch.ptx``)."""
-    sonew = importlib.import_module("sonew_pax.optim.engine")
-    saved = sonew._interpret, launch.ptx
-    sonew._interpret, launch.ptx = (lambda: False), (lambda: True)
+    """SONew's kernels' multiply-adds as they lower on an NVIDIA GPU (PTX, ``launch.ptx``), on
+    any backend. (The kernels are compiled, not interpreted, by the optimizer's
+    ``KernelConfig(interpret=False)``.)"""
+    saved = launch.ptx
+    launch.ptx = lambda: True
     try:
         yield
     finally:
-        sonew._interpret, launch.ptx = saved
+        launch.ptx = saved
 
 
 def triton_programs(text: str) -> tuple[int, dict[str, set[str]]]:
@@ -103,7 +103,9 @@ def lower(name: str, shapes, args: argparse.Namespace) -> dict:
     halo.halo_call.cache_clear()
     jax.clear_caches()
     with compiled_kernels():
-        tx = updates.make_optimizer(name, common.kernel_config(args))
+        tx = updates.make_optimizer(
+            name, dataclasses.replace(common.kernel_config(args), interpret=False)
+        )
         update = updates.make_update(tx, common.jit_for(args))
         state = jax.eval_shape(tx.init, shapes)
         start = time.perf_counter()

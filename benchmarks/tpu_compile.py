@@ -1,7 +1,8 @@
 """An update compiled for a TPU on any host: the HBM bytes its schedule moves, against AdamW's.
 
-TPUs run SONew's XLA path (``implementation="xla"``; the kernels are GPU kernels), and the update
-is memory-bound, so its time follows the bytes it moves through HBM. libtpu compiles for a TPU
+TPUs run SONew's XLA path by default (the ``sonew_*`` rows), or with ``implementation="pallas"``
+band 1 as a Mosaic kernel (``kernels.tpu``; the ``_pallas`` rows compile it), and the update is
+memory-bound, so its time follows the bytes it moves through HBM. libtpu compiles for a TPU
 topology without a TPU (``jax.experimental.topologies``: "deviceless" compilation), so this runs on
 a CPU host: for each optimizer it compiles the donated update of the LM set (``updates``,
 ``lm_shapes``) on abstract arrays on one chip of ``--topology``, and reads the compiled module:
@@ -34,6 +35,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from benchmarks import common, lm_shapes, updates
+from sonew_pax import optim
 
 COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies", "compile_s")
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
@@ -116,8 +118,8 @@ def _sliced_reads(instructions: list) -> dict[int, int]:
 def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
     """The bytes a compiled TPU module's entry computation moves through HBM, in all and by
     opcode: each instruction's operands and results in memory space 0, an operand that its
-    fusion only slices counted at the slices' size, an async copy's or slice's read at its start
-    and its write at its end."""
+    fusion only slices counted at the slices' size (a slice's at what it keeps,
+    :func:`_slice_read`), an async copy's or slice's read at its start and its write at its end."""
     computations = _computations(text)
     entry = re.search(r"^ENTRY %([\w.\-]+) ", text, re.MULTILINE).group(1)
     shapes: dict[str, list[tuple[int, int]]] = {}
@@ -140,10 +142,20 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
             reads = [sum(b for b, space in x if space == 0) for x in inputs]
             if opcode == "fusion":
                 reads = _fusion_reads(computations, line, shape, operands, texts, reads)
+            elif opcode == "slice":
+                reads = [min(r, _slice_read(line, results)) for r in reads[:1]]
             moved += sum(reads)
         if moved:
             by_opcode[opcode] += moved
     return sum(by_opcode.values()), by_opcode
+
+
+def _slice_read(line: str, results: list[tuple[int, int]]) -> int:
+    """The HBM bytes a slice reads: what it keeps, or for a strided slice the whole ``(8, 128)``
+    tiles that hold its rows (at most 8 rows read per row kept)."""
+    kept = sum(b for b, _ in results)
+    strided = re.search(r"slice=\{[^}]*\[\d+:\d+:(\d+)\]", line)
+    return kept * 8 if strided and int(strided.group(1)) > 1 else kept
 
 
 def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -> list[int]:
@@ -188,7 +200,7 @@ def compile_update(name: str, shapes, device) -> dict:
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
         )
 
-    tx = updates.make_optimizer(name)
+    tx = updates.make_optimizer(name, optim.KernelConfig(platform="tpu", interpret=False))
     params, state = on_tpu(shapes), on_tpu(jax.eval_shape(tx.init, shapes))
     start = time.perf_counter()
     text = updates.make_update(tx).lower(params, state, params).compile().as_text()

@@ -535,6 +535,8 @@ ENTRY %main (a: f32[8,128], b: f32[16,128]) -> (f32[8,128], f32[8,128]) {
   %copy-done.1 = f32[8,128]{1,0:S(1)} copy-done(%copy-start.1)
   %slice-start.1 = ((f32[16,128]{1,0}), f32[4,128]{1,0:S(1)}, s32[]) slice-start(%b)
   %slice-done.1 = f32[4,128]{1,0:S(1)} slice-done(%slice-start.1)
+  %slice.3 = f32[4,128]{1,0:S(1)} slice(%b), slice={[0:4], [0:128]}
+  %slice.4 = f32[1,128]{1,0:S(1)} slice(%b), slice={[3:16:8], [0:128]}
   ROOT %tuple.1 = (f32[8,128]{1,0}, f32[8,128]{1,0}) tuple(%fusion.1, %copy-done.1)
 }
 """
@@ -545,13 +547,15 @@ def test_tpu_compile_counts_what_the_schedule_moves_through_hbm():
     KiB, not 8); the first writes its result to HBM, the others to VMEM (free); the third slices
     after an elementwise op, and computes only its 8 result rows (4 KiB); the reduction reads
     ``b`` whole (8 KiB); the async copy reads ``a`` from HBM into VMEM; the async slice reads its
-    4 rows (2 KiB)."""
+    4 rows (2 KiB), and so does the synchronous one; the strided slice keeps one row of ``b``
+    and reads the (8, 128) tile that holds it (4 KiB)."""
     total, by_opcode = tpu_compile.hbm_bytes(_TPU_MODULE)
     page = 8 * 128 * 4
     assert by_opcode == {
         "fusion": 3 * page + 2 * page + page + 2 * page,
         "copy-start": page,
         "slice-start": page // 2,
+        "slice": page // 2 + page,
     }
     assert total == sum(by_opcode.values())
     assert tpu_compile.arrays("(f32[2,3]{1,0:T(2,128)S(1)}, bf16[4]{0})") == [(24, 1), (8, 0)]

@@ -697,9 +697,8 @@ def test_kernels_lower_to_triton_for_cuda(band, kernel, stack, ahead, monkeypatc
     (``KernelConfig.fma``), the other kernels' not."""
     from jax import export
 
-    config = dataclasses.replace(use_kernel(kernel, stack, ahead), halo_group=2)
-    module = importlib.import_module("sonew_pax.optim.engine")
-    monkeypatch.setattr(module, "_interpret", lambda: False)
+    # Compiled, not interpreted, on this CPU host.
+    config = dataclasses.replace(use_kernel(kernel, stack, ahead), halo_group=2, interpret=False)
     monkeypatch.setattr(launch, "ptx", lambda: True)  # an NVIDIA GPU's compile
 
     params = {f"mat{k}": jnp.zeros((70, 130)) for k in range(3)} | {"vec": jnp.zeros((33,))}

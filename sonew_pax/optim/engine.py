@@ -10,7 +10,8 @@ per shard) the step runs
   launches;
 * on XLA elsewhere (:func:`_leaf_step`): ``pointwise``'s functions on chain shifts (``chain``)
   for bands 0 and 1, ``solve.precondition`` for wider bands (on a shard's block extended by its
-  ``edges``, :func:`_on_extended_block`).
+  ``edges``, :func:`_on_extended_block`); band 1 on a TPU as its Mosaic kernel
+  (``kernels.tpu``) where the kernels are enabled for the TPU, with the same ``edges``.
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one
@@ -56,10 +57,12 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
     """``config`` where the Pallas kernels (``kernels``) may run, else ``None`` (XLA only).
 
-    ``"pallas"``: on any backend (off GPU in Pallas' interpreter: slow, for tests). ``"auto"``: on
-    GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the device) or on a
-    one-device process; without a mesh on several devices the arrays may be sharded by the
-    caller's ``jit``, which cannot partition a kernel (it would gather every tensor), so XLA runs.
+    ``"pallas"``: on any backend: the GPU kernels, or on a TPU its band-1 kernel
+    (``KernelConfig.platform``); off their platform in Pallas' interpreter (slow, for tests).
+    ``"auto"``: on GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the
+    device) or on a one-device process; without a mesh on several devices the arrays may be
+    sharded by the caller's ``jit``, which cannot partition a kernel (it would gather every
+    tensor), so XLA runs.
     ``"xla"``: never.
     """
     if implementation != "auto":
@@ -222,9 +225,11 @@ def _leaf_step(
     hyper: Hyper,
     layout: ChainLayout,
     edge: pallas.Edges | None = None,
+    tpu: KernelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
-    graft)``; band 1 with its ``edge`` (:func:`_edges`).
+    graft)``; band 1 with its ``edge`` (:func:`_edges`), as the TPU kernel (``kernels.tpu``)
+    given its config ``tpu`` (:func:`_on_tpu_kernel`).
 
     ``u`` is the direction (Adam's for tensors that are not preconditioned) in the arithmetic's
     dtype (``pointwise.compute_dtype``).
@@ -240,6 +245,13 @@ def _leaf_step(
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
         return adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None
     band = _band(e)
+    if tpu is not None:
+        pre, post = _edge_rows(edge, 1, g.shape)
+        block = pallas.tpu.block_shape(g.shape, tpu)
+        u, m, d, e, parts = pallas.tpu.tridiagonal_update(
+            g, m, d, e, pre, post, corrections, hyper, block, interpret=_interpret(tpu)
+        )
+        return u, m, d, e, parts if _has_norms(hyper) else None
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     return step.u, step.m.astype(m.dtype), step.d.astype(d.dtype), e_new, grafting
@@ -279,7 +291,8 @@ def _leaf_steps(
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
-            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k])
+            tpu = kernels if _on_tpu_kernel(kernels, lay, _band(ei), hyper) else None
+            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k], tpu)
     for (shape, band, *_), members in groups.items():
         size = pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
@@ -288,7 +301,7 @@ def _leaf_steps(
                 *([x[k] for k in part] for x in (grads, m, d, e)),
                 corrections,
                 hyper,
-                interpret=_interpret(),
+                interpret=_interpret(kernels),
                 halos=[halos[k] for k in part],
                 edges=[edges[k] for k in part],
                 applies=[applies[k] for k in part],
@@ -307,9 +320,13 @@ def _raw(g: jax.Array, m: jax.Array, d: jax.Array) -> Raw:
     return Raw(g.astype(compute), m.astype(compute), d.astype(compute))
 
 
-def _interpret() -> bool:
-    """The kernels run compiled on GPU, in Pallas' interpreter elsewhere (tests on CPU)."""
-    return jax.default_backend() != "gpu"
+def _interpret(kernels: KernelConfig | None = None) -> bool:
+    """Whether the kernels run in Pallas' interpreter: ``KernelConfig.interpret``, by default off
+    their platform's backend (tests on CPU)."""
+    if kernels is not None and kernels.interpret is not None:
+        return kernels.interpret
+    platform = "gpu" if kernels is None else _platform(kernels)
+    return jax.default_backend() != platform
 
 
 def _band(e: Any) -> int:
@@ -328,11 +345,33 @@ def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
 
 
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
-    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a Pallas kernel."""
+    """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a GPU kernel."""
     return (
         kernels is not None
+        and _platform(kernels) == "gpu"
         and _has_chain(layout, hyper)
         and pallas.supported(layout, band, kernels)
+    )
+
+
+def _platform(kernels: KernelConfig) -> str:
+    """The platform whose kernels run (``KernelConfig.platform``)."""
+    if kernels.platform is not None:
+        return kernels.platform
+    return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def _on_tpu_kernel(
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+) -> bool:
+    """Whether :func:`_leaf_steps` runs this tensor's step as the TPU kernel (``kernels.tpu``):
+    band 1, on a block whose view tiles (``tpu.block_shape``)."""
+    return (
+        kernels is not None
+        and _platform(kernels) == "tpu"
+        and band == 1
+        and _has_chain(layout, hyper)
+        and pallas.tpu.block_shape(pallas.local_shape(layout), kernels) is not None
     )
 
 
@@ -371,7 +410,7 @@ def _halos(
         shapes = [pallas.local_shape(layouts[k]) for k in members for _ in range(3)]
         gathered = iter(
             pallas.gather_halos(
-                arrays, band=band, shapes=shapes, interpret=_interpret(), config=kernels
+                arrays, band=band, shapes=shapes, interpret=_interpret(kernels), config=kernels
             )
         )
         for k in members:
@@ -393,7 +432,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
         band = _band(ei)
         if band == 0 or not _has_chain(lay, hyper):
             continue
-        kernel = _on_kernel(kernels, lay, band, hyper)
+        kernel = _on_kernel(kernels, lay, band, hyper) or _on_tpu_kernel(kernels, lay, band, hyper)
         if band == 1 and not kernel:
             m[k], d[k] = _xla_edge_inputs(grads[k], m[k], d[k], hyper)
         if kernel or band == 1 or _extends(grads[k], lay, band):

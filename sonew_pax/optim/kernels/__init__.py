@@ -26,6 +26,7 @@ float rounding. Every tuning choice is a field of :class:`KernelConfig`. ``inter
 the kernels in Pallas' interpreter on any backend (the tests use it on CPU).
 """
 
+from sonew_pax.optim.kernels import tpu
 from sonew_pax.optim.kernels.config import CONCURRENT_OPTIONS, DEFAULT, KernelConfig
 from sonew_pax.optim.kernels.geometry import (
     default_tile,
@@ -56,4 +57,5 @@ __all__ = [
     "local_shape",
     "supported",
     "tile_view",
+    "tpu",
 ]

@@ -52,6 +52,14 @@ class KernelConfig:
       halo_cols: columns per halo program.
       max_offset: the largest flat offset the kernels index (int32): a tensor (with its band
         off-diagonals) or a halo buffer beyond it is refused or split.
+      platform: the kernels' target: ``"gpu"`` (Triton kernels, bands 0 to ``max_band``) or
+        ``"tpu"`` (a Mosaic kernel for band 1, ``kernels.tpu``; other bands run on XLA);
+        ``None``: ``"tpu"`` on a TPU backend, else ``"gpu"`` (on a CPU in Pallas' interpreter).
+      tpu_block: ``(rows, cols)``: the TPU kernel's largest block (``tpu.block_shape``); its
+        inputs, outputs and temporaries stay in VMEM, larger blocks pay the per-program cost
+        fewer times.
+      interpret: whether the kernels run in Pallas' interpreter; ``None``: off their platform's
+        backend. ``False`` lowers them for their platform on any host (``jax.export``).
     """
 
     diagonal_tile: Tile = (8, 128, 8)
@@ -73,6 +81,9 @@ class KernelConfig:
     halo_group: int = 64
     halo_cols: int = 512
     max_offset: int = 2**31 - 1
+    platform: str | None = None
+    tpu_block: tuple[int, int] = (256, 512)
+    interpret: bool | None = None
 
     def __post_init__(self):
         """Rejects values the kernels cannot compile or that make no sense, naming the field."""
@@ -103,6 +114,16 @@ class KernelConfig:
         for name in counts:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"KernelConfig.{name} = {getattr(self, name)!r}: want an int >= 1")
+        if self.platform not in (None, "gpu", "tpu"):
+            raise ValueError(
+                f"KernelConfig.platform = {self.platform!r}: want 'gpu', 'tpu' or None"
+            )
+        rows, cols = self.tpu_block
+        if rows % 16 or cols % 128 or rows < 16 or cols < 128:
+            raise ValueError(
+                f"KernelConfig.tpu_block = {self.tpu_block!r}: want (rows, cols), multiples of 16 "
+                "and 128 (a TPU's tiles)"
+            )
         for name in ("scan_ahead", "max_band"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"KernelConfig.{name} = {getattr(self, name)!r}: want an int >= 0")
