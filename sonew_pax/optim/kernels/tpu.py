@@ -91,12 +91,13 @@ def neighbour_rows(
     it), their moments updated here: a few rows per block."""
     num_rows, cols = tile_view(g.shape)
     dtype = pointwise.compute_dtype(d.dtype)
-    view = [x.reshape(num_rows, cols).astype(dtype) for x in (g, m, d, e)]
+    view = [x.reshape(num_rows, cols) for x in (g, m, d, e)]
 
     def rows_of(start: int, edge: jax.Array, last: bool) -> jax.Array:
         """Rows ``start, start + rows, ...`` (one per block boundary) of ``g, m, d, e`` with the
         ``edge`` row after them (``last``) or before, the moments updated."""
-        inner = (x[start : num_rows - rows + start : rows] for x in view)
+        # Sliced, then converted: converting first would write the whole tensor in f32.
+        inner = (x[start : num_rows - rows + start : rows].astype(dtype) for x in view)
         edges = (edge[k].reshape(1, cols).astype(dtype) for k in range(4))
         g_rows, m_rows, d_rows, e_rows = (
             jnp.concatenate([x, y] if last else [y, x]) for x, y in zip(inner, edges, strict=True)
