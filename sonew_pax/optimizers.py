@@ -170,6 +170,9 @@ def _with_defaults(fn: Callable[..., Any], **defaults: Any) -> Callable[..., Any
 sonew = gin.external_configurable(
     _with_defaults(optim.sonew, mask=_matrices_only), name="sonew", module=__name__
 )
+# SONew's kernels' configuration, for ``sonew.kernel_config = @KernelConfig()``: e.g. band 1's TPU
+# kernel (``sonew.implementation = "pallas"``; on a TPU ``KernelConfig.platform`` is "tpu").
+KernelConfig = gin.external_configurable(optim.KernelConfig, name="KernelConfig", module=__name__)
 
 
 @gin.configurable

@@ -86,6 +86,7 @@ def export_for_tpu(files: Sequence[str], bindings: Sequence[str]) -> dict:
         "platforms": list(exported.platforms),
         "devices": exported.nr_devices,
         "non_tpu_custom_calls": non_tpu_custom_calls(exported.mlir_module()),
+        "tpu_kernels": exported.mlir_module().count("tpu_custom_call"),
         "mismatched_shardings": inputs + outputs,
     }
 
@@ -162,6 +163,20 @@ def test_train_step_lowers_for_tpu_on_a_2x4_mesh(model, optimizer):
     files = ["runs/pretrain.gin", f"models/{model}.gin", f"optimizers/{optimizer}.gin"]
     summary = export_for_tpu(files, [*REQUIRED, *MESH_2X4])
     assert_lowers_for_tpu(summary, devices=8)
+
+
+def test_train_step_with_the_tpu_kernel_lowers_for_tpu_on_a_2x4_mesh():
+    """The 1B model's train step with band 1's TPU kernel (opt-in) on each device's blocks."""
+    files = ["runs/pretrain.gin", "models/1b.gin", "optimizers/sonew_tridiag.gin"]
+    kernel = (
+        'sonew.implementation = "pallas"',
+        "sonew.kernel_config = @KernelConfig()",
+        'KernelConfig.platform = "tpu"',
+        "KernelConfig.interpret = False",  # lowered for TPU from this CPU host
+    )
+    summary = export_for_tpu(files, [*REQUIRED, *MESH_2X4, *kernel])
+    assert_lowers_for_tpu(summary, devices=8)
+    assert summary["tpu_kernels"] > 0
 
 
 def test_v4_32_run_lowers_for_tpu_on_its_16_devices():
