@@ -165,9 +165,10 @@ def test_train_step_lowers_for_tpu_on_a_2x4_mesh(model, optimizer):
     assert_lowers_for_tpu(summary, devices=8)
 
 
-def test_train_step_with_the_tpu_kernel_lowers_for_tpu_on_a_2x4_mesh():
-    """The 1B model's train step with band 1's TPU kernel (opt-in) on each device's blocks."""
-    files = ["runs/pretrain.gin", "models/1b.gin", "optimizers/sonew_tridiag.gin"]
+@pytest.mark.parametrize("optimizer", ["sonew_tridiag", "sonew_band4"])
+def test_train_step_with_the_tpu_kernels_lowers_for_tpu_on_a_2x4_mesh(optimizer):
+    """The 1B model's train step with the TPU kernels (opt-in) on each device's blocks."""
+    files = ["runs/pretrain.gin", "models/1b.gin", f"optimizers/{optimizer}.gin"]
     kernel = (
         'sonew.implementation = "pallas"',
         "sonew.kernel_config = @KernelConfig()",

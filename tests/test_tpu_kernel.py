@@ -1,5 +1,5 @@
-"""The TPU kernel of band 1 (``kernels.tpu``) equals the XLA step, whole and sharded, and lowers
-for TPU.
+"""The TPU kernels (``kernels.tpu``: band 1, and bands >= 2 on extended blocks) equal the XLA step,
+whole and sharded, and lower for TPU.
 
 On a CPU it runs in Pallas' interpreter (``KernelConfig(platform="tpu")``); ``interpret=False``
 lowers it for TPU (``jax.export``), as a TPU host compiles it.
@@ -17,7 +17,7 @@ from sonew_pax.optim.kernels import tpu
 from tests.test_sonew_sharded import make_mesh, run
 
 # Small blocks, so that the tests' tensors have several of them along both axes.
-TPU = KernelConfig(platform="tpu", tpu_block=(16, 128))
+TPU = KernelConfig(platform="tpu", tpu_block=(16, 128), tpu_banded_block=(16, 128))
 
 
 def _grads(params, steps, seed=0):
@@ -36,23 +36,33 @@ def _assert_close(expect, got, rtol):
 
 def test_block_shape_tiles_the_view_or_declines():
     config = KernelConfig(platform="tpu", tpu_block=(256, 512))
-    assert tpu.block_shape((32000, 1024), config) == (256, 512)
-    assert tpu.block_shape((1024, 4096), config) == (256, 512)
-    assert tpu.block_shape((48, 384), config) == (48, 384)  # the rows of 512 x 256 elements
-    assert tpu.block_shape((64, 4, 64), config) == (64, 256)  # axis 0 by the rest
+    assert tpu.block_shape((32000, 1024), 1, config) == (256, 512)
+    assert tpu.block_shape((1024, 4096), 1, config) == (256, 512)
+    assert tpu.block_shape((48, 384), 1, config) == (48, 384)  # the rows of 512 x 256 elements
+    assert tpu.block_shape((64, 4, 64), 1, config) == (64, 256)  # axis 0 by the rest
     for shape in [(1024,), (20, 128), (64, 100)]:  # a vector; rows, columns off the tiles
-        assert tpu.block_shape(shape, config) is None
+        assert tpu.block_shape(shape, 1, config) is None
+    assert tpu.block_shape((1024, 4096), 4, config) == (128, 128)  # config.tpu_banded_block
+    assert tpu.block_shape((1024, 4096), 0, config) is None  # XLA's diag step is at its floor
+    assert tpu.block_shape((1024, 4096), config.max_band + 1, config) is None
     with pytest.raises(ValueError, match="tpu_block"):
         KernelConfig(tpu_block=(10, 128))
 
 
 @pytest.mark.parametrize(
-    "damping, graft", [("mean", "adam"), ("absolute", "adam"), ("mean", "none")]
+    "band, damping, graft",
+    [
+        (1, "mean", "adam"),
+        (1, "absolute", "adam"),
+        (1, "mean", "none"),
+        (2, "mean", "adam"),
+        (4, "absolute", "adam"),
+    ],
 )
-def test_kernel_equals_the_xla_step(x64, damping, graft):
+def test_kernel_equals_the_xla_step(x64, band, damping, graft):
     """Three steps of the whole update (grafted directions and state) in float64, on tensors of
-    several blocks along both axes of the view, a 3-D one, and ones the kernel declines (their
-    XLA step runs beside it)."""
+    several blocks along both axes of the view, a 3-D one, and ones the kernels decline (their
+    XLA step runs beside them)."""
     params = {
         "blocks": jnp.zeros((64, 256)),
         "cols": jnp.zeros((48, 384)),
@@ -60,7 +70,7 @@ def test_kernel_equals_the_xla_step(x64, damping, graft):
         "ragged": jnp.zeros((20, 128)),
         "vec": jnp.zeros((40,)),
     }
-    kwargs = dict(band=1, damping=damping, graft=graft, stats_dtype=jnp.float64)
+    kwargs = dict(band=band, damping=damping, graft=graft, stats_dtype=jnp.float64)
     kwargs["eps"] = 0.1 if damping == "mean" else 1e-4
     grads = _grads(params, 3)
     expect, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
@@ -84,8 +94,8 @@ def test_bf16_state_in_place(x64):
     _assert_close(expect_state[0].d, state[0].d, 1e-2)
 
 
-@pytest.mark.parametrize("mesh_shape", [(2, 4), (4, 2)])
-def test_sharded_kernel_equals_unsharded(x64, mesh_shape):
+@pytest.mark.parametrize("mesh_shape, band", [((2, 4), 1), ((4, 2), 1), ((2, 4), 2)])
+def test_sharded_kernel_equals_unsharded(x64, mesh_shape, band):
     """On each shard's block, with the rows beyond it from the other shards (the tree's one
     exchange): rows, columns and both split, and a replicated tensor."""
     a, b = mesh_shape
@@ -102,7 +112,7 @@ def test_sharded_kernel_equals_unsharded(x64, mesh_shape):
         "rep": P(),
     }
     mesh = make_mesh(mesh_shape)
-    kwargs = dict(band=1, stats_dtype=jnp.float64)
+    kwargs = dict(band=band, stats_dtype=jnp.float64)
     grads = _grads(params, 3, seed=1)
     expect, _ = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
     tx = sonew(
@@ -112,15 +122,16 @@ def test_sharded_kernel_equals_unsharded(x64, mesh_shape):
     _assert_close(expect, got, 1e-12)
 
 
-def test_kernel_lowers_for_tpu():
-    """Exported for TPU from this CPU host: one Mosaic call per band-1 tensor that tiles, no GPU
-    kernel, the XLA step for the others."""
+@pytest.mark.parametrize("band", [1, 4])
+def test_kernel_lowers_for_tpu(band):
+    """Exported for TPU from this CPU host: one Mosaic call per tensor that tiles, no GPU kernel,
+    the XLA step for the others."""
     params = {"a": jnp.zeros((64, 256)), "b": jnp.zeros((32, 4, 64)), "c": jnp.zeros((20, 128))}
-    config = KernelConfig(platform="tpu", tpu_block=(16, 128), interpret=False)
-    tx = sonew(0.1, band=1, implementation="pallas", kernel_config=config)
+    config = KernelConfig(platform="tpu", interpret=False)
+    tx = sonew(0.1, band=band, implementation="pallas", kernel_config=config)
     state = tx.init(params)
     update = jax.jit(lambda g, s, p: tx.update(g, s, p))
     text = export.export(update, platforms=("tpu",))(params, state, params).mlir_module()
     assert text.count("tpu_custom_call") == 2
-    assert "sonew_tpu_band1" in text
+    assert f"sonew_tpu_band{band}" in text
     assert "triton" not in text

@@ -10,8 +10,8 @@ per shard) the step runs
   launches;
 * on XLA elsewhere (:func:`_leaf_step`): ``pointwise``'s functions on chain shifts (``chain``)
   for bands 0 and 1, ``solve.precondition`` for wider bands (on a shard's block extended by its
-  ``edges``, :func:`_on_extended_block`); band 1 on a TPU as its Mosaic kernel
-  (``kernels.tpu``) where the kernels are enabled for the TPU, with the same ``edges``.
+  ``edges``, :func:`_on_extended_block`); on a TPU, where the kernels are enabled for it, bands
+  1 and wider as Mosaic kernels (``kernels.tpu``) with the same ``edges``.
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one
@@ -57,7 +57,7 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas")
 def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
     """``config`` where the Pallas kernels (``kernels``) may run, else ``None`` (XLA only).
 
-    ``"pallas"``: on any backend: the GPU kernels, or on a TPU its band-1 kernel
+    ``"pallas"``: on any backend: the GPU kernels, or on a TPU its kernels
     (``KernelConfig.platform``); off their platform in Pallas' interpreter (slow, for tests).
     ``"auto"``: on GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the
     device) or on a one-device process; without a mesh on several devices the arrays may be
@@ -228,8 +228,8 @@ def _leaf_step(
     tpu: KernelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
-    graft)``; band 1 with its ``edge`` (:func:`_edges`), as the TPU kernel (``kernels.tpu``)
-    given its config ``tpu`` (:func:`_on_tpu_kernel`).
+    graft)``; band 1 with its ``edge`` (:func:`_edges`); as a TPU kernel (``kernels.tpu``, with
+    its ``edge``) given its config ``tpu`` (:func:`_on_tpu_kernel`).
 
     ``u`` is the direction (Adam's for tensors that are not preconditioned) in the arithmetic's
     dtype (``pointwise.compute_dtype``).
@@ -246,9 +246,10 @@ def _leaf_step(
         return adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None
     band = _band(e)
     if tpu is not None:
-        pre, post = _edge_rows(edge, 1, g.shape)
-        block = pallas.tpu.block_shape(g.shape, tpu)
-        u, m, d, e, parts = pallas.tpu.tridiagonal_update(
+        pre, post = _edge_rows(edge, band, g.shape)
+        update = pallas.tpu.tridiagonal_update if band == 1 else pallas.tpu.banded_update
+        block = pallas.tpu.block_shape(g.shape, band, tpu)
+        u, m, d, e, parts = update(
             g, m, d, e, pre, post, corrections, hyper, block, interpret=_interpret(tpu)
         )
         return u, m, d, e, parts if _has_norms(hyper) else None
@@ -364,14 +365,13 @@ def _platform(kernels: KernelConfig) -> str:
 def _on_tpu_kernel(
     kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
 ) -> bool:
-    """Whether :func:`_leaf_steps` runs this tensor's step as the TPU kernel (``kernels.tpu``):
-    band 1, on a block whose view tiles (``tpu.block_shape``)."""
+    """Whether :func:`_leaf_steps` runs this tensor's step as a TPU kernel (``kernels.tpu``): on a
+    block whose view tiles (``tpu.block_shape``)."""
     return (
         kernels is not None
         and _platform(kernels) == "tpu"
-        and band == 1
         and _has_chain(layout, hyper)
-        and pallas.tpu.block_shape(pallas.local_shape(layout), kernels) is not None
+        and pallas.tpu.block_shape(pallas.local_shape(layout), band, kernels) is not None
     )
 
 

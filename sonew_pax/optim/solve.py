@@ -34,6 +34,7 @@ parameter's shape: ``O(b^3)`` elementwise operations, no loop over ``n``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -41,6 +42,15 @@ import jax.numpy as jnp
 
 from sonew_pax.optim.chain import ChainLayout, shift
 from sonew_pax.optim.fma import subtract_products
+
+# Where a solve reads its chain at ``j + k``: the tensor's ``ChainLayout`` (``chain.shift``), or a
+# function ``(x, k) -> x at j + k`` (a TPU kernel's shift of the block it holds).
+Chain = ChainLayout | Callable[[jax.Array, int], jax.Array]
+
+
+def _shift(x: jax.Array, k: int, chain: Chain) -> jax.Array:
+    """``x`` read at ``j + k`` along ``chain``."""
+    return chain(x, k) if callable(chain) else shift(x, k, chain)
 
 
 class BandedFactor(NamedTuple):
@@ -65,15 +75,13 @@ def unit_scale(h_diag: jax.Array) -> jax.Array:
     return jnp.where(empty, 0, jax.lax.rsqrt(jnp.where(empty, 1, h_diag)))
 
 
-def correlations(
-    h_diag: jax.Array, h_off: jax.Array, layout: ChainLayout
-) -> tuple[jax.Array, jax.Array]:
+def correlations(h_diag: jax.Array, h_off: jax.Array, layout: Chain) -> tuple[jax.Array, jax.Array]:
     """Scale ``H`` to unit diagonal: returns ``S = h^{-1/2}`` and ``rho_k = e_k s_j s_{j+k}``."""
     scale = unit_scale(h_diag)
     band = h_off.shape[0]
     if band == 0:
         return scale, h_off
-    successors = jnp.stack([shift(scale, k, layout) for k in range(1, band + 1)])
+    successors = jnp.stack([_shift(scale, k, layout) for k in range(1, band + 1)])
     return scale, h_off * scale * successors
 
 
@@ -128,10 +136,10 @@ def window_solve(
     return schur, x, smallest
 
 
-def _windows(rho: jax.Array, layout: ChainLayout) -> list[list[jax.Array]]:
+def _windows(rho: jax.Array, layout: Chain) -> list[list[jax.Array]]:
     """``rows[p][k] = C_{j+1+p, j+2+p+k} = rho_{k+1}`` at position ``j + 1 + p``."""
     band = rho.shape[0]
-    return [list(shift(rho[: band - 1 - p], p + 1, layout)) for p in range(band)]
+    return [list(_shift(rho[: band - 1 - p], p + 1, layout)) for p in range(band)]
 
 
 def window_cut(schur: jax.Array, pivot: jax.Array, gamma: float | jax.Array) -> jax.Array:
@@ -181,13 +189,13 @@ def window_factor(schur: jax.Array, x: list[jax.Array]) -> tuple[list[jax.Array]
     return lower, jnp.where(ok, 1 / jnp.where(ok, schur, 1), 1)
 
 
-def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLayout) -> tuple:
+def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: Chain) -> tuple:
     """Algorithms 2-3 in correlation form: returns ``(lower, d)`` of ``X_C = L D L^T``.
 
     Args:
       rho: ``(band, *shape)`` off-diagonals of the unit-diagonal banded matrix ``C``.
       gamma: tolerance; vertex ``j`` cuts the chain when its Schur complement is ``<= gamma``.
-      layout: the tensor's chain layout.
+      layout: the tensor's chain layout, or how to read it at ``j + k`` (``Chain``).
     """
     band = rho.shape[0]
     if band == 0:
@@ -198,7 +206,7 @@ def sparsified_inverse(rho: jax.Array, gamma: float | jax.Array, layout: ChainLa
     rhs = list(rho)
     schur, _, pivot = window_solve(rows, rhs)
     cut = window_cut(schur, pivot, gamma)
-    cuts = [cut] + [shift(cut, q, layout) for q in range(1, band)]
+    cuts = [cut] + [_shift(cut, q, layout) for q in range(1, band)]
     lower, d = truncated_factor(rows, rhs, cuts)
     return jnp.stack(lower), d
 
@@ -221,7 +229,7 @@ def tridiagonal_inverse(rho: jax.Array, gamma: float | jax.Array) -> tuple:
 
 
 def factorize(
-    h_diag: jax.Array, h_off: jax.Array, gamma: float | jax.Array, layout: ChainLayout
+    h_diag: jax.Array, h_off: jax.Array, gamma: float | jax.Array, layout: Chain
 ) -> BandedFactor:
     """The stable banded LogDet solution ``X = S L D L^T S`` for ``H = (h_diag, h_off)``."""
     scale, rho = correlations(h_diag, h_off, layout)
@@ -234,7 +242,7 @@ def precondition(
     h_off: jax.Array,
     v: jax.Array,
     gamma: float | jax.Array,
-    layout: ChainLayout,
+    layout: Chain,
 ) -> jax.Array:
     """``X v`` for the stable LogDet solution ``X`` of ``H = (h_diag, h_off)``.
 
@@ -253,14 +261,14 @@ def diagonal_precondition(h_diag: jax.Array, v: jax.Array) -> jax.Array:
     return jnp.where(empty, 0, v / jnp.where(empty, 1, h_diag))
 
 
-def apply(factor: BandedFactor, v: jax.Array, layout: ChainLayout) -> jax.Array:
+def apply(factor: BandedFactor, v: jax.Array, layout: Chain) -> jax.Array:
     """``X v = S L D L^T S v`` in O(band) shifts: successors for ``L^T``, predecessors for ``L``."""
     scaled = factor.scale * v
     y = scaled
     for p, lp in enumerate(factor.lower):
-        y = y + lp * shift(scaled, p + 1, layout)
+        y = y + lp * _shift(scaled, p + 1, layout)
     z = factor.d * y
     out = z
     for p, lp in enumerate(factor.lower):
-        out = out + shift(lp * z, -(p + 1), layout)
+        out = out + _shift(lp * z, -(p + 1), layout)
     return factor.scale * out

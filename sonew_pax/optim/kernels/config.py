@@ -53,11 +53,14 @@ class KernelConfig:
       max_offset: the largest flat offset the kernels index (int32): a tensor (with its band
         off-diagonals) or a halo buffer beyond it is refused or split.
       platform: the kernels' target: ``"gpu"`` (Triton kernels, bands 0 to ``max_band``) or
-        ``"tpu"`` (a Mosaic kernel for band 1, ``kernels.tpu``; other bands run on XLA);
+        ``"tpu"`` (Mosaic kernels, ``kernels.tpu``, bands 1 to ``max_band``; band 0 runs on XLA,
+        which is at its floor there);
         ``None``: ``"tpu"`` on a TPU backend, else ``"gpu"`` (on a CPU in Pallas' interpreter).
       tpu_block: ``(rows, cols)``: the TPU kernel's largest block (``tpu.block_shape``); its
         inputs, outputs and temporaries stay in VMEM, larger blocks pay the per-program cost
         fewer times.
+      tpu_banded_block: the same for bands ``b >= 2``, whose solve holds ``O(b^2)`` values of
+        the block's size (plus ``tpu.banded_halo`` rows on each side) in VMEM.
       interpret: whether the kernels run in Pallas' interpreter; ``None``: off their platform's
         backend. ``False`` lowers them for their platform on any host (``jax.export``).
     """
@@ -83,6 +86,7 @@ class KernelConfig:
     max_offset: int = 2**31 - 1
     platform: str | None = None
     tpu_block: tuple[int, int] = (256, 512)
+    tpu_banded_block: tuple[int, int] = (128, 128)
     interpret: bool | None = None
 
     def __post_init__(self):
@@ -118,12 +122,13 @@ class KernelConfig:
             raise ValueError(
                 f"KernelConfig.platform = {self.platform!r}: want 'gpu', 'tpu' or None"
             )
-        rows, cols = self.tpu_block
-        if rows % 16 or cols % 128 or rows < 16 or cols < 128:
-            raise ValueError(
-                f"KernelConfig.tpu_block = {self.tpu_block!r}: want (rows, cols), multiples of 16 "
-                "and 128 (a TPU's tiles)"
-            )
+        for name in ("tpu_block", "tpu_banded_block"):
+            rows, cols = getattr(self, name)
+            if rows % 16 or cols % 128 or rows < 16 or cols < 128:
+                raise ValueError(
+                    f"KernelConfig.{name} = {getattr(self, name)!r}: want (rows, cols), "
+                    "multiples of 16 and 128 (a TPU's tiles)"
+                )
         for name in ("scan_ahead", "max_band"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise ValueError(f"KernelConfig.{name} = {getattr(self, name)!r}: want an int >= 0")

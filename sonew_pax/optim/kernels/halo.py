@@ -219,12 +219,17 @@ def kernel_edges(
 
     def rows_of(start: int, stop: int) -> jax.Array:
         """Rows ``start:stop`` of every array (and of each of ``e``'s off-diagonals), stacked:
-        each sliced along its own axis 0 before anything else. Stacked or sliced along another
-        axis first, a TPU's layout assignment relays whole arrays out to take a few rows."""
+        each sliced along the tensor's axis 0 before anything else. Stacked, or sliced along
+        another axis first, a TPU's layout assignment writes whole arrays out to take a few
+        rows: band 1's one off-diagonal is sliced as ``e[0]`` (a bitcast), several together
+        along ``e``'s axis 1 (split first, each would be written out)."""
         slabs = []
         for g, m, d, e in zip(gs, ms, ds, es, strict=True):
-            for x in (g, m, d, *e):
+            arrays = (g, m, d, e[0]) if band == 1 else (g, m, d)
+            for x in arrays:
                 slabs.append(lax.slice_in_dim(x, start, stop, axis=0)[None].astype(compute))
+            if band > 1:
+                slabs.append(lax.slice_in_dim(e, start, stop, axis=1).astype(compute))
         return jnp.concatenate(slabs)
 
     pre, post = yield from edges_of(rows_of(rows - before, rows), rows_of(0, after), layout)

@@ -1,24 +1,29 @@
-"""Band 1 (tridiag-SONew) as one Pallas TPU (Mosaic) kernel: the step in one pass over the state.
+"""SONew's step as Pallas TPU (Mosaic) kernels: one pass over the state, in place.
 
-On a TPU the XLA step (``engine._tridiagonal_step``) shifts the new moments by one row along axis
-0, the second-minor (sublane) axis of the TPU's ``(8, 128)`` tiles. XLA materialises each shifted
-array, and the norms' reduction reads the state again: compiled for a TPU v5e, a tensor too large
-for VMEM moves about 128 B per parameter (``benchmarks/tpu_compile.py``) where AdamW moves 28.
-This kernel keeps a block of ``(rows, cols)`` of the tensor's 2-D view (``geometry.tile_view``)
-in VMEM, shifts it there (``pltpu.roll``, a rotate of the block's sublanes), and writes the new
-state in place, ``u`` and the block's norm pairs: it reads ``g, m, d, e`` and writes ``m, d, e, u``
-once (32 B per fp32 parameter).
+On a TPU the XLA step shifts arrays by rows along axis 0, the second-minor (sublane) axis of the
+TPU's ``(8, 128)`` tiles. XLA materialises each shifted array, and the norms' reduction reads the
+state again: compiled for a TPU v5e, a tensor too large for VMEM moves about 128 B per parameter
+for band 1 and 636 for band 4 (``benchmarks/tpu_compile.py``), where AdamW moves 28. These
+kernels keep a block of ``(rows, cols)`` of the tensor's 2-D view (``geometry.tile_view``) in
+VMEM, shift it there (``pltpu.roll``, a rotate of the block's sublanes), and write the new state
+in place, ``u`` and the block's norm pairs: they read ``g, m, d, e`` and write ``m, d, e, u``
+once.
 
-Each element's outputs need its chain neighbours' *new* moments. Inside a block they are the
-block's own, shifted; at a block's first and last rows they come from ``prev`` and ``next``
-(:func:`neighbour_rows`), built before the kernel from the old state: the rows just outside each
-block and, beyond the view, the tensor's ``edges`` (``engine._edges``: the previous column's last
-row, or a neighbouring shard's), their moments updated by XLA (a few rows per block). So every
-program reads only old state and the blocks run in any order, in place.
+* Band 1 (:func:`tridiagonal_update`): each element's outputs need its chain neighbours' *new*
+  moments. Inside a block they are the block's own, shifted; at a block's first and last rows
+  they come from ``prev`` and ``next`` (:func:`neighbour_rows`), built before the kernel from the
+  old state: the rows just outside each block and, beyond the view, the tensor's ``edges``
+  (``engine._edges``: the previous column's last row, or a neighbouring shard's), their moments
+  updated by XLA (a few rows per block).
+* Bands ``b >= 2`` (:func:`banded_update`): each block is extended by :func:`banded_halo` rows
+  of the old state on each side, the whole-tensor step (``solve``) runs on the extended block,
+  and the block keeps its own rows, as the XLA path does for a shard
+  (``engine._on_extended_block``).
 
-The math is :mod:`pointwise`'s, as on XLA and in the GPU kernels. Opt-in (``sonew(...,
-implementation="pallas")`` on a TPU) until it has run on one: it is tested in Pallas' interpreter
-against the XLA step and lowered for TPU on a CPU host.
+So every program reads only old state and the blocks run in any order. The math is
+:mod:`pointwise`'s and :mod:`solve`'s, as on XLA and in the GPU kernels. Opt-in (``sonew(...,
+implementation="pallas")`` on a TPU) until they have run on one: they are tested in Pallas'
+interpreter against the XLA step and lowered for TPU on a CPU host.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sonew_pax.optim import pointwise
+from sonew_pax.optim import pointwise, solve
+from sonew_pax.optim.chain import halo_width
 from sonew_pax.optim.kernels.config import KernelConfig
 from sonew_pax.optim.kernels.geometry import tile_view
 from sonew_pax.optim.kernels.program import scale_floor
@@ -43,23 +49,24 @@ _LANES = 128
 _SCALARS = 8
 
 
-def block_shape(shape: tuple[int, ...], config: KernelConfig) -> tuple[int, int] | None:
-    """The ``(rows, cols)`` block of the view of a tensor of ``shape`` that one program steps, or
-    ``None`` where the kernel does not apply (the XLA step runs): a tensor of fewer than two
-    dimensions, a view whose rows are not a multiple of 16 or whose columns are not a multiple
-    of 128 (the TPU's tiles).
+def block_shape(shape: tuple[int, ...], band: int, config: KernelConfig) -> tuple[int, int] | None:
+    """The ``(rows, cols)`` block of the view of a tensor of ``shape`` that one program of band
+    ``band`` steps, or ``None`` where no kernel applies (the XLA step runs): band 0 or above
+    ``config.max_band``, a tensor of fewer than two dimensions, a view whose rows are not a
+    multiple of 16 or whose columns are not a multiple of 128 (the TPU's tiles).
 
-    Columns: the largest multiple of 128 that divides the view's and is at most
-    ``config.tpu_block[1]``; rows: the largest multiple of 16 that divides the view's and keeps
-    the block within ``config.tpu_block[0] * config.tpu_block[1]`` elements. Blocks that tile
-    the view exactly need no masks.
+    Columns: the largest multiple of 128 that divides the view's and is at most the second of
+    ``config.tpu_block`` (band 1) or ``config.tpu_banded_block`` (bands >= 2: their solve holds
+    ``O(b^2)`` block-sized values); rows: the largest multiple of 16 that divides the view's and
+    keeps the block within that shape's elements. Blocks that tile the view exactly need no
+    masks.
     """
-    if len(shape) < 2:
+    if len(shape) < 2 or not 1 <= band <= config.max_band:
         return None
     rows, cols = tile_view(shape)
     if rows % _SUBLANES or cols % _LANES:
         return None
-    max_rows, max_cols = config.tpu_block
+    max_rows, max_cols = config.tpu_block if band == 1 else config.tpu_banded_block
     block_cols = _largest_divisor(cols, _LANES, max_cols)
     block_rows = _largest_divisor(rows, _SUBLANES, max(max_rows * max_cols // block_cols, 1))
     return block_rows, block_cols
@@ -130,7 +137,7 @@ def tridiagonal_update(
         at the chain positions before the view's first and after its last row.
       corrections: ``(1 - b1^t, 1 - b2^t)``.
       hyper: the step's hyperparameters, its ``eps`` this tensor's damping.
-      block: :func:`block_shape` of the tensor.
+      block: :func:`block_shape` of the tensor and band.
       interpret: run in Pallas' interpreter (off TPU).
 
     Returns:
@@ -145,8 +152,6 @@ def tridiagonal_update(
     grid = (num_rows // block_rows, cols // block_cols)
     dtype = pointwise.compute_dtype(d.dtype)
     prev, after = neighbour_rows(g, m, d, e[0], pre, post, block_rows, hyper)
-    numbers = (hyper.b1, hyper.b2, hyper.eps, hyper.gamma, hyper.graft_eps, *corrections)
-    scalars = jnp.stack([jnp.asarray(x, dtype) for x in numbers] + [jnp.zeros((), dtype)])
     pairs = 3 if hyper.damping != "absolute" else 2
     here = pl.BlockSpec(block, lambda i, j: (i, j))
     rows_spec = pl.BlockSpec((1, 4, block_cols), lambda i, j: (i, 0, j))
@@ -168,7 +173,7 @@ def tridiagonal_update(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name="sonew_tpu_band1",
-    )(scalars, *views, prev, after)
+    )(_scalars(hyper, corrections, dtype), *views, prev, after)
     parts = parts[:, :, : 2 * pairs, 0].reshape(-1, 2 * pairs).T
     return u.reshape(shape), m.reshape(shape), d.reshape(shape), e_new.reshape(e.shape), parts
 
@@ -178,10 +183,7 @@ def _kernel(
     u_ref, m_out, d_out, e_out, parts_ref, *, flags, pairs,
 ):  # fmt: skip
     """One block: the new state, ``u`` and the norm pairs (:func:`tridiagonal_update`)."""
-    graft, precondition_1d, damping = flags
-    s = [scalars_ref[k] for k in range(_SCALARS)]
-    hyper = Hyper(s[0], s[1], s[2], s[3], s[4], graft, precondition_1d, damping)
-    corrections = (s[5], s[6])
+    hyper, corrections = _hyper(scalars_ref, flags)
     dtype = u_ref.dtype
     g, m_old, d_old, e_old = (ref[...].astype(dtype) for ref in (g_ref, m_ref, d_ref, e_ref))
     prev, after = prev_ref[0], next_ref[0]  # (4, cols): g, new m, new d, old e
@@ -218,6 +220,127 @@ def _kernel(
     normed = [pointwise.adam_direction(m, d, corrections, hyper), u]
     if pairs == 3:
         normed.append(pointwise.diagonal_root(d, corrections))
+    _write_pairs(parts_ref, normed)
+
+
+def banded_halo(band: int) -> int:
+    """Rows a band ``b >= 2`` block reads beyond each of its ends (``chain.halo_width``, ``2b - 1``
+    at most), rounded up to whole tiles of 16-bit rows, so that the extended block stays
+    aligned."""
+    return -(-max(halo_width(band)) // _SUBLANES) * _SUBLANES
+
+
+def banded_update(
+    g: jax.Array,
+    m: jax.Array,
+    d: jax.Array,
+    e: jax.Array,
+    pre: jax.Array,
+    post: jax.Array,
+    corrections,
+    hyper: Hyper,
+    block: tuple[int, int],
+    *,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One tensor's (or shard's) band ``b >= 2`` step as the TPU kernel: ``(u, m, d, e, parts)``
+    as :func:`tridiagonal_update`'s, ``e`` of shape ``(b, *shape)``.
+
+    Each program extends its block by :func:`banded_halo` rows of the old state on each side
+    (the rows of the neighbouring blocks, or beyond the view the tensor's edges ``pre`` and
+    ``post``, ``(3 + b, before or after, *shape[1:])``) and runs the whole-tensor step on the
+    extended block in VMEM (``solve.precondition``, reading the chain by rotating the block's
+    rows), keeping its own rows: every row it keeps reads at most ``chain.halo_width`` rows away,
+    inside the extension, so the rotation's wrap is never read. As on XLA for a shard's block
+    (``engine._on_extended_block``).
+    """
+    band = e.shape[0]
+    shape = g.shape
+    num_rows, cols = tile_view(shape)
+    block_rows, block_cols = block
+    halo = banded_halo(band)
+    grid = (num_rows // block_rows, cols // block_cols)
+    dtype = pointwise.compute_dtype(d.dtype)
+    views = [x.reshape(num_rows, cols) for x in (g, m, d)] + [e.reshape(band, num_rows, cols)]
+    prev, after = _halo_rows(views, pre, post, block_rows, halo, dtype)
+    pairs = 3 if hyper.damping != "absolute" else 2
+    here = pl.BlockSpec(block, lambda i, j: (i, j))
+    rows_spec = pl.BlockSpec((1, 3 + band, halo, block_cols), lambda i, j: (i, 0, 0, j))
+    kernel = functools.partial(
+        _banded_kernel,
+        flags=(hyper.graft, hyper.precondition_1d, hyper.damping),
+        pairs=pairs,
+        halo=halo,
+    )
+    u, m, d, e_new, parts = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)]
+        + [here] * 3
+        + [pl.BlockSpec((band, *block), lambda i, j: (0, i, j))]
+        + [rows_spec] * 2,
+        out_specs=[here] * 3
+        + [pl.BlockSpec((band, *block), lambda i, j: (0, i, j))]
+        + [pl.BlockSpec((1, 1, 8, _LANES), lambda i, j: (i, j, 0, 0))],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_rows, cols), dtype),
+            *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[1:]),
+            jax.ShapeDtypeStruct((*grid, 8, _LANES), dtype),
+        ],
+        input_output_aliases={2: 1, 3: 2, 4: 3},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
+        interpret=interpret,
+        name=f"sonew_tpu_band{band}",
+    )(_scalars(hyper, corrections, dtype), *views, prev, after)
+    parts = parts[:, :, : 2 * pairs, 0].reshape(-1, 2 * pairs).T
+    return u.reshape(shape), m.reshape(shape), d.reshape(shape), e_new.reshape(e.shape), parts
+
+
+def _halo_rows(views, pre, post, rows: int, halo: int, dtype) -> tuple[jax.Array, jax.Array]:
+    """``(prev, next)``, each ``(blocks, 3 + b, halo, cols)``: the ``halo`` rows of ``g, m, d, e_1
+    .. e_b`` (``views``, the state as stored) before and after each block of ``rows`` rows, from
+    the neighbouring blocks or, beyond the view, from the edges ``pre`` and ``post`` (padded with
+    zeros on their far side, rows no kept row reads)."""
+    num_rows, cols = views[0].shape
+    blocks = num_rows // rows
+
+    def side(take: slice) -> jax.Array:
+        """Rows ``take`` of every block: ``(blocks, 3 + b, halo, cols)``."""
+        parts = [x.reshape(blocks, rows, cols)[:, take] for x in views[:3]]
+        e = views[3]
+        parts.append(jnp.moveaxis(e.reshape(e.shape[0], blocks, rows, cols)[:, :, take], 0, 1))
+        return jnp.concatenate([p[:, None] if p.ndim == 3 else p for p in parts], axis=1)
+
+    def edge(x: jax.Array, before: bool) -> jax.Array:
+        x = x.reshape(x.shape[0], x.shape[1], cols).astype(dtype)
+        pad = ((0, 0), (halo - x.shape[1], 0) if before else (0, halo - x.shape[1]), (0, 0))
+        return jnp.pad(x, pad)[None]
+
+    tails = side(slice(rows - halo, rows)).astype(dtype)
+    heads = side(slice(0, halo)).astype(dtype)
+    return (
+        jnp.concatenate([edge(pre, True), tails[:-1]]),
+        jnp.concatenate([heads[1:], edge(post, False)]),
+    )
+
+
+def _scalars(hyper: Hyper, corrections, dtype) -> jax.Array:
+    """A launch's scalars (SMEM): b1, b2, eps, gamma, graft_eps, the bias corrections."""
+    numbers = (hyper.b1, hyper.b2, hyper.eps, hyper.gamma, hyper.graft_eps, *corrections)
+    return jnp.stack([jnp.asarray(x, dtype) for x in numbers] + [jnp.zeros((), dtype)])
+
+
+def _hyper(scalars_ref, flags) -> tuple[Hyper, tuple]:
+    """The step's :class:`Hyper` and bias corrections from a launch's scalars."""
+    s = [scalars_ref[k] for k in range(_SCALARS)]
+    graft, precondition_1d, damping = flags
+    return Hyper(s[0], s[1], s[2], s[3], s[4], graft, precondition_1d, damping), (s[5], s[6])
+
+
+def _write_pairs(parts_ref, normed: list[jax.Array]) -> None:
+    """The block's norm pairs ``(scale, sum (x / scale)^2)`` of ``normed``, at sublanes ``2k``
+    and ``2k + 1`` of its ``(8, 128)`` tile (the scale at least ``program.scale_floor``)."""
+    dtype = normed[0].dtype
     sublane = jax.lax.broadcasted_iota(jnp.int32, (8, _LANES), 0)
     tile = jnp.zeros((8, _LANES), dtype)
     for k, x in enumerate(normed):
@@ -226,3 +349,45 @@ def _kernel(
         tile = jnp.where(sublane == 2 * k, top, tile)
         tile = jnp.where(sublane == 2 * k + 1, jnp.sum(scaled * scaled), tile)
     parts_ref[0, 0] = tile
+
+
+def _banded_kernel(
+    scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref,
+    u_ref, m_out, d_out, e_out, parts_ref, *, flags, pairs, halo,
+):  # fmt: skip
+    """One block of band ``b >= 2`` (:func:`banded_update`)."""
+    hyper, corrections = _hyper(scalars_ref, flags)
+    dtype = u_ref.dtype
+    prev, after = prev_ref[0], next_ref[0]  # (3 + b, halo, cols)
+    band = e_ref.shape[0]
+
+    def extended(x: jax.Array, k: int) -> jax.Array:
+        return jnp.concatenate([prev[k], x.astype(dtype), after[k]])
+
+    g, m_old, d_old = (extended(ref[...], k) for k, ref in enumerate((g_ref, m_ref, d_ref)))
+    e_old = jnp.stack([extended(e_ref[j], 3 + j) for j in range(band)])
+    count = g.shape[0]
+
+    def shift(x: jax.Array, k: int) -> jax.Array:
+        """``x`` at ``j + k`` along the extended block's rows (wrapping: never read where kept)."""
+        return pltpu.roll(x, (-k) % count, x.ndim - 2)
+
+    m, d = pointwise.moments(Raw(g, m_old, d_old), hyper)
+    successors = jnp.stack([shift(g, k) for k in range(1, band + 1)])
+    e_new = pointwise.edge_statistic(e_old, g, successors, hyper)
+    bc1, bc2 = corrections
+    u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, shift)
+    rows = u_ref.shape[0]
+
+    def kept(x: jax.Array) -> jax.Array:
+        return x[..., halo : halo + rows, :]
+
+    m, d, u, e_new = kept(m), kept(d), kept(u), kept(e_new)
+    u_ref[...] = u
+    m_out[...], d_out[...], e_out[...] = (
+        x.astype(ref.dtype) for x, ref in ((m, m_out), (d, d_out), (e_new, e_out))
+    )
+    normed = [pointwise.adam_direction(m, d, corrections, hyper), u]
+    if pairs == 3:
+        normed.append(pointwise.diagonal_root(d, corrections))
+    _write_pairs(parts_ref, normed)
