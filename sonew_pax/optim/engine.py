@@ -247,9 +247,8 @@ def _leaf_step(
     band = _band(e)
     if tpu is not None:
         pre, post = _edge_rows(edge, band, g.shape)
-        update = pallas.tpu.tridiagonal_update if band == 1 else pallas.tpu.banded_update
         block = pallas.tpu.block_shape(g.shape, band, tpu)
-        u, m, d, e, parts = update(
+        u, m, d, e, parts = pallas.tpu.update(
             g, m, d, e, pre, post, corrections, hyper, block, interpret=_interpret(tpu)
         )
         return u, m, d, e, parts if _has_norms(hyper) else None

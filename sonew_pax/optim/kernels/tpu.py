@@ -9,13 +9,13 @@ VMEM, shift it there (``pltpu.roll``, a rotate of the block's sublanes), and wri
 in place, ``u`` and the block's norm pairs: they read ``g, m, d, e`` and write ``m, d, e, u``
 once.
 
-* Band 1 (:func:`tridiagonal_update`): each element's outputs need its chain neighbours' *new*
+* Band 1 (:func:`_kernel`): each element's outputs need its chain neighbours' *new*
   moments. Inside a block they are the block's own, shifted; at a block's first and last rows
   they come from ``prev`` and ``next`` (:func:`neighbour_rows`), built before the kernel from the
   old state: the rows just outside each block and, beyond the view, the tensor's ``edges``
   (``engine._edges``: the previous column's last row, or a neighbouring shard's), their moments
   updated by XLA (a few rows per block).
-* Bands ``b >= 2`` (:func:`banded_update`): each block is extended by :func:`banded_halo` rows
+* Bands ``b >= 2`` (:func:`_banded_kernel`): each block is extended by :func:`banded_halo` rows
   of the old state on each side, the whole-tensor step (``solve``) runs on the extended block,
   and the block keeps its own rows, as the XLA path does for a shard
   (``engine._on_extended_block``).
@@ -115,7 +115,7 @@ def neighbour_rows(
     return rows_of(rows - 1, pre, last=False), rows_of(rows, post, last=True)
 
 
-def tridiagonal_update(
+def update(
     g: jax.Array,
     m: jax.Array,
     d: jax.Array,
@@ -128,13 +128,22 @@ def tridiagonal_update(
     *,
     interpret: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One tensor's (or shard's) band-1 step as the TPU kernel: ``(u, m, d, e, parts)``.
+    """One tensor's (or shard's) step as a TPU kernel: ``(u, m, d, e, parts)``. Band 1 runs
+    :func:`_kernel` on blocks with their outer neighbours' rows (:func:`neighbour_rows`); bands
+    ``b >= 2`` run :func:`_banded_kernel` on blocks extended by :func:`banded_halo` rows of the
+    old state on each side (the rows of the neighbouring blocks, or beyond the view the tensor's
+    edges; :func:`_halo_rows`): the whole-tensor step runs on the extended block in VMEM
+    (``solve.precondition``, reading the chain by rotating the block's rows) and the block keeps
+    its own rows. Every row it keeps reads at most ``chain.halo_width`` rows away, inside the
+    extension, so the rotation's wrap is never read: as on XLA for a shard's block
+    (``engine._on_extended_block``).
 
     Args:
-      g, m, d, e: the gradient and the old state as stored (``e`` of shape ``(1, *shape)``);
+      g, m, d, e: the gradient and the old state as stored (``e`` of shape ``(b, *shape)``);
         ``m``, ``d`` and ``e`` are updated in place.
       pre, post: the tensor's edges (``engine._edge_rows``): the old ``g``, ``m``, ``d``, ``e``
-        at the chain positions before the view's first and after its last row.
+        at the chain positions before the view's first and after its last row
+        (``chain.halo_width`` of them).
       corrections: ``(1 - b1^t, 1 - b2^t)``.
       hyper: the step's hyperparameters, its ``eps`` this tensor's damping.
       block: :func:`block_shape` of the tensor and band.
@@ -146,47 +155,33 @@ def tridiagonal_update(
       and, with a relative damping, ``sqrt(d_hat)``: rows ``scale_0, sum_0, ...``, one column
       per block (``chain.norm_pairs``).
     """
-    shape = g.shape
-    num_rows, cols = tile_view(shape)
-    block_rows, block_cols = block
-    grid = (num_rows // block_rows, cols // block_cols)
-    dtype = pointwise.compute_dtype(d.dtype)
-    prev, after = neighbour_rows(g, m, d, e[0], pre, post, block_rows, hyper)
-    pairs = 3 if hyper.damping != "absolute" else 2
-    here = pl.BlockSpec(block, lambda i, j: (i, j))
-    rows_spec = pl.BlockSpec((1, 4, block_cols), lambda i, j: (i, 0, j))
-    views = [x.reshape(num_rows, cols) for x in (g, m, d, e)]
-    kernel = functools.partial(
-        _kernel, flags=(hyper.graft, hyper.precondition_1d, hyper.damping), pairs=pairs
-    )
-    u, m, d, e_new, parts = pl.pallas_call(
-        kernel,
-        grid=grid,
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [here] * 4 + [rows_spec] * 2,
-        out_specs=[here] * 4 + [pl.BlockSpec((1, 1, 8, _LANES), lambda i, j: (i, j, 0, 0))],
-        out_shape=[
-            jax.ShapeDtypeStruct((num_rows, cols), dtype),
-            *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[1:]),
-            jax.ShapeDtypeStruct((*grid, 8, _LANES), dtype),
-        ],
-        input_output_aliases={2: 1, 3: 2, 4: 3},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
-        interpret=interpret,
-        name="sonew_tpu_band1",
-    )(_scalars(hyper, corrections, dtype), *views, prev, after)
-    parts = parts[:, :, : 2 * pairs, 0].reshape(-1, 2 * pairs).T
-    return u.reshape(shape), m.reshape(shape), d.reshape(shape), e_new.reshape(e.shape), parts
+    band = e.shape[0]
+    num_rows, cols = tile_view(g.shape)
+    views = [x.reshape(num_rows, cols) for x in (g, m, d)] + [e.reshape(band, num_rows, cols)]
+    if band == 1:
+        prev, after = neighbour_rows(g, m, d, e[0], pre, post, block[0], hyper)
+        kernel, prev, after, static = _kernel, prev[:, :, None], after[:, :, None], {}
+    else:
+        halo = banded_halo(band)
+        dtype = pointwise.compute_dtype(d.dtype)
+        prev, after = _halo_rows(views, pre, post, block[0], halo, dtype)
+        kernel, static = _banded_kernel, {"halo": halo}
+    return _step_call(
+        kernel, views, prev, after, corrections, hyper, block,
+        shape=g.shape, interpret=interpret, **static,
+    )  # fmt: skip
 
 
 def _kernel(
     scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref,
     u_ref, m_out, d_out, e_out, parts_ref, *, flags, pairs,
 ):  # fmt: skip
-    """One block: the new state, ``u`` and the norm pairs (:func:`tridiagonal_update`)."""
+    """One block of band 1: the new state, ``u`` and the norm pairs (:func:`update`)."""
     hyper, corrections = _hyper(scalars_ref, flags)
     dtype = u_ref.dtype
-    g, m_old, d_old, e_old = (ref[...].astype(dtype) for ref in (g_ref, m_ref, d_ref, e_ref))
-    prev, after = prev_ref[0], next_ref[0]  # (4, cols): g, new m, new d, old e
+    g, m_old, d_old = (ref[...].astype(dtype) for ref in (g_ref, m_ref, d_ref))
+    e_old = e_ref[0].astype(dtype)
+    prev, after = prev_ref[0], next_ref[0]  # (4, 1, cols): g, new m, new d, old e
     rows = g.shape[0]
     first = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0) == 0
     last = jax.lax.broadcasted_iota(jnp.int32, g.shape, 0) == rows - 1
@@ -200,22 +195,22 @@ def _kernel(
         return jnp.where(last, row, pltpu.roll(x, rows - 1, 0))
 
     m, d = pointwise.moments(Raw(g, m_old, d_old), hyper)
-    e_here = pointwise.edge_statistic(e_old, g, after_of(g, after[0:1]), hyper)
-    e_first = pointwise.edge_statistic(prev[3:4], prev[0:1], g[0:1], hyper)
+    e_here = pointwise.edge_statistic(e_old, g, after_of(g, after[0]), hyper)
+    e_first = pointwise.edge_statistic(prev[3], prev[0], g[0:1], hyper)
     e_before = before_of(e_here, e_first)
     v_before = pointwise.vertex_of_moments(
-        g, before_of(m, prev[1:2]), before_of(d, prev[2:3]), corrections, hyper
+        g, before_of(m, prev[1]), before_of(d, prev[2]), corrections, hyper
     )
     v_here = pointwise.vertex_of_moments(g, m, d, corrections, hyper)
     v_after = pointwise.vertex_of_moments(
-        g, after_of(m, after[1:2]), after_of(d, after[2:3]), corrections, hyper
+        g, after_of(m, after[1]), after_of(d, after[2]), corrections, hyper
     )
     u = pointwise.tridiagonal_direction(
         v_before, v_here, v_after, e_here, e_before, corrections, hyper
     )
     u_ref[...] = u
     m_out[...], d_out[...], e_out[...] = (
-        x.astype(ref.dtype) for x, ref in ((m, m_out), (d, d_out), (e_here, e_out))
+        x.astype(ref.dtype) for x, ref in ((m, m_out), (d, d_out), (e_here[None], e_out))
     )
     normed = [pointwise.adam_direction(m, d, corrections, hyper), u]
     if pairs == 3:
@@ -230,58 +225,29 @@ def banded_halo(band: int) -> int:
     return -(-max(halo_width(band)) // _SUBLANES) * _SUBLANES
 
 
-def banded_update(
-    g: jax.Array,
-    m: jax.Array,
-    d: jax.Array,
-    e: jax.Array,
-    pre: jax.Array,
-    post: jax.Array,
-    corrections,
-    hyper: Hyper,
-    block: tuple[int, int],
-    *,
-    interpret: bool,
+def _step_call(
+    kernel, views, prev, after, corrections, hyper: Hyper, block, *, shape, interpret, **static
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """One tensor's (or shard's) band ``b >= 2`` step as the TPU kernel: ``(u, m, d, e, parts)``
-    as :func:`tridiagonal_update`'s, ``e`` of shape ``(b, *shape)``.
-
-    Each program extends its block by :func:`banded_halo` rows of the old state on each side
-    (the rows of the neighbouring blocks, or beyond the view the tensor's edges ``pre`` and
-    ``post``, ``(3 + b, before or after, *shape[1:])``) and runs the whole-tensor step on the
-    extended block in VMEM (``solve.precondition``, reading the chain by rotating the block's
-    rows), keeping its own rows: every row it keeps reads at most ``chain.halo_width`` rows away,
-    inside the extension, so the rotation's wrap is never read. As on XLA for a shard's block
-    (``engine._on_extended_block``).
-    """
-    band = e.shape[0]
-    shape = g.shape
-    num_rows, cols = tile_view(shape)
+    """One launch of a step ``kernel`` over the blocks of a tensor's view: ``views`` are ``g, m,
+    d`` as ``(rows, cols)`` and ``e`` as ``(b, rows, cols)``, the last three updated in place;
+    ``prev`` and ``after`` the rows beyond each block, ``(blocks, 3 + b, halo, cols)``. Returns
+    ``(u, m, d, e, parts)`` (:func:`update`), ``u``, ``m`` and ``d`` of ``shape``."""
+    num_rows, cols = views[0].shape
+    band = views[3].shape[0]
     block_rows, block_cols = block
-    halo = banded_halo(band)
     grid = (num_rows // block_rows, cols // block_cols)
-    dtype = pointwise.compute_dtype(d.dtype)
-    views = [x.reshape(num_rows, cols) for x in (g, m, d)] + [e.reshape(band, num_rows, cols)]
-    prev, after = _halo_rows(views, pre, post, block_rows, halo, dtype)
+    dtype = pointwise.compute_dtype(views[2].dtype)
     pairs = 3 if hyper.damping != "absolute" else 2
     here = pl.BlockSpec(block, lambda i, j: (i, j))
-    rows_spec = pl.BlockSpec((1, 3 + band, halo, block_cols), lambda i, j: (i, 0, 0, j))
-    kernel = functools.partial(
-        _banded_kernel,
-        flags=(hyper.graft, hyper.precondition_1d, hyper.damping),
-        pairs=pairs,
-        halo=halo,
-    )
-    u, m, d, e_new, parts = pl.pallas_call(
-        kernel,
+    off_diagonals = pl.BlockSpec((band, *block), lambda i, j: (0, i, j))
+    rows = pl.BlockSpec((1, *prev.shape[1:3], block_cols), lambda i, j: (i, 0, 0, j))
+    flags = (hyper.graft, hyper.precondition_1d, hyper.damping)
+    u, m, d, e, parts = pl.pallas_call(
+        functools.partial(kernel, flags=flags, pairs=pairs, **static),
         grid=grid,
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)]
-        + [here] * 3
-        + [pl.BlockSpec((band, *block), lambda i, j: (0, i, j))]
-        + [rows_spec] * 2,
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [here] * 3 + [off_diagonals, rows, rows],
         out_specs=[here] * 3
-        + [pl.BlockSpec((band, *block), lambda i, j: (0, i, j))]
-        + [pl.BlockSpec((1, 1, 8, _LANES), lambda i, j: (i, j, 0, 0))],
+        + [off_diagonals, pl.BlockSpec((1, 1, 8, _LANES), lambda i, j: (i, j, 0, 0))],
         out_shape=[
             jax.ShapeDtypeStruct((num_rows, cols), dtype),
             *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[1:]),
@@ -293,7 +259,7 @@ def banded_update(
         name=f"sonew_tpu_band{band}",
     )(_scalars(hyper, corrections, dtype), *views, prev, after)
     parts = parts[:, :, : 2 * pairs, 0].reshape(-1, 2 * pairs).T
-    return u.reshape(shape), m.reshape(shape), d.reshape(shape), e_new.reshape(e.shape), parts
+    return u.reshape(shape), m.reshape(shape), d.reshape(shape), e.reshape(band, *shape), parts
 
 
 def _halo_rows(views, pre, post, rows: int, halo: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -355,7 +321,7 @@ def _banded_kernel(
     scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref,
     u_ref, m_out, d_out, e_out, parts_ref, *, flags, pairs, halo,
 ):  # fmt: skip
-    """One block of band ``b >= 2`` (:func:`banded_update`)."""
+    """One block of band ``b >= 2``, extended (:func:`update`)."""
     hyper, corrections = _hyper(scalars_ref, flags)
     dtype = u_ref.dtype
     prev, after = prev_ref[0], next_ref[0]  # (3 + b, halo, cols)
