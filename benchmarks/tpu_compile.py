@@ -219,7 +219,11 @@ def compile_update(name: str, shapes, device) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = common.argument_parser(__doc__)
-    common.add_optimizers_arg(p, updates.OPTIMIZERS, "adamw,sonew_diag,sonew_tridiag,sonew_band4")
+    common.add_optimizers_arg(
+        p,
+        updates.OPTIMIZERS,
+        "adamw,sonew_diag,sonew_tridiag,sonew_tridiag_pallas,sonew_band4,sonew_band4_pallas",
+    )
     lm_shapes.add_args(p)
     p.add_argument("--topology", default="v5e:2x2", help="TPU topology compiled for (one chip)")
     common.add_out_arg(p, "tpu_compile")
