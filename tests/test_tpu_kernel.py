@@ -12,7 +12,7 @@ import pytest
 from jax import export
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import KernelConfig, sonew
+from sonew_pax.optim import KernelConfig, apply_gradients, sonew
 from sonew_pax.optim.kernels import tpu
 from tests.test_sonew_sharded import make_mesh, run
 
@@ -78,6 +78,30 @@ def test_kernel_equals_the_xla_step(x64, band, damping, graft):
     got, state = run(tx, params, grads)
     _assert_close(expect, got, 1e-12)
     _assert_close(expect_state, state, 1e-12)
+
+
+@pytest.mark.parametrize(
+    "band, graft, graft_lag", [(1, "adam", True), (1, "none", False), (4, "adam", True)]
+)
+def test_fused_apply_equals_the_xla_step(x64, band, graft, graft_lag):
+    """Where the graft ratio is known before the step (``graft_lag``, or no grafting) the kernel
+    writes the parameters in place of ``u`` (``apply_gradients``): the same parameters as XLA's
+    step and apply, the matrices decayed."""
+    params = {"w": jnp.ones((64, 256)), "cube": jnp.ones((32, 4, 64)), "vec": jnp.ones((40,))}
+    kwargs = dict(band=band, graft=graft, graft_lag=graft_lag, stats_dtype=jnp.float64)
+    kwargs |= dict(weight_decay=0.1, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+    grads = _grads(params, 3, seed=2)
+    result = []
+    for tx in (
+        sonew(0.1, implementation="xla", **kwargs),
+        sonew(0.1, implementation="pallas", kernel_config=TPU, **kwargs),
+    ):
+        p, state = params, tx.init(params)
+        step = jax.jit(lambda g, s, p, tx=tx: apply_gradients(tx, g, s, p))
+        for g in grads:
+            p, state = step(g, state, p)
+        result.append(p)
+    _assert_close(*result, 1e-12)
 
 
 def test_bf16_state_in_place(x64):

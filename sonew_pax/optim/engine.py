@@ -226,10 +226,12 @@ def _leaf_step(
     layout: ChainLayout,
     edge: pallas.Edges | None = None,
     tpu: KernelConfig | None = None,
+    apply: pallas.Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
     """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
     graft)``; band 1 with its ``edge`` (:func:`_edges`); as a TPU kernel (``kernels.tpu``, with
-    its ``edge``) given its config ``tpu`` (:func:`_on_tpu_kernel`).
+    its ``edge``) given its config ``tpu`` (:func:`_on_tpu_kernel`), which writes the parameters
+    in ``u``'s place given their fused ``apply`` (:func:`_kernel_apply`).
 
     ``u`` is the direction (Adam's for tensors that are not preconditioned) in the arithmetic's
     dtype (``pointwise.compute_dtype``).
@@ -249,8 +251,9 @@ def _leaf_step(
         pre, post = _edge_rows(edge, band, g.shape)
         block = pallas.tpu.block_shape(g.shape, band, tpu)
         u, m, d, e, parts = pallas.tpu.update(
-            g, m, d, e, pre, post, corrections, hyper, block, interpret=_interpret(tpu)
-        )
+            g, m, d, e, pre, post, corrections, hyper, block, interpret=_interpret(tpu),
+            apply=apply,
+        )  # fmt: skip
         return u, m, d, e, parts if _has_norms(hyper) else None
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
@@ -292,7 +295,9 @@ def _leaf_steps(
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         else:
             tpu = kernels if _on_tpu_kernel(kernels, lay, _band(ei), hyper) else None
-            steps[k] = _leaf_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k], tpu)
+            steps[k] = _leaf_step(
+                g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k], tpu, apply
+            )
     for (shape, band, *_), members in groups.items():
         size = pallas.launch_group(shape, band, kernels)
         for start in range(0, len(members), size):
@@ -574,7 +579,10 @@ def _kernel_apply(
     whose graft ratio is known before the step, 1 without grafting or graft_lag's (``ratio``, the
     state's array, read at the tensor's ``slot``); else ``None`` (then its ``u`` is written out
     and grafted with the step's own ratio before it is applied)."""
-    if apply is None or not _on_kernel(kernels, layout, _band(e), hyper):
+    band = _band(e)
+    if apply is None or not (
+        _on_kernel(kernels, layout, band, hyper) or _on_tpu_kernel(kernels, layout, band, hyper)
+    ):
         return None
     if hyper.graft == "none":
         return pallas.Apply(p, jnp.ones((1,)), 0, apply.weight_decay, apply.scale, decayed)

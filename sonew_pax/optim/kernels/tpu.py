@@ -39,14 +39,15 @@ from sonew_pax.optim import pointwise, solve
 from sonew_pax.optim.chain import halo_width
 from sonew_pax.optim.kernels.config import KernelConfig
 from sonew_pax.optim.kernels.geometry import tile_view
-from sonew_pax.optim.kernels.program import scale_floor
+from sonew_pax.optim.kernels.program import Apply, scale_floor
 from sonew_pax.optim.pointwise import Hyper, Raw
 
 # Sublanes of a TPU tile for 16-bit dtypes (32-bit ones take 8): a block's rows are a multiple.
 _SUBLANES = 16
 _LANES = 128
-# The scalars of a launch, in SMEM: b1, b2, eps, gamma, graft_eps, then the bias corrections.
-_SCALARS = 8
+# The scalars of a launch, in SMEM: b1, b2, eps, gamma, graft_eps, the bias corrections, and the
+# fused apply's graft ratio, weight decay and scale.
+_SCALARS = 10
 
 
 def block_shape(shape: tuple[int, ...], band: int, config: KernelConfig) -> tuple[int, int] | None:
@@ -127,6 +128,7 @@ def update(
     block: tuple[int, int],
     *,
     interpret: bool,
+    apply: Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One tensor's (or shard's) step as a TPU kernel: ``(u, m, d, e, parts)``. Band 1 runs
     :func:`_kernel` on blocks with their outer neighbours' rows (:func:`neighbour_rows`); bands
@@ -148,6 +150,9 @@ def update(
       hyper: the step's hyperparameters, its ``eps`` this tensor's damping.
       block: :func:`block_shape` of the tensor and band.
       interpret: run in Pallas' interpreter (off TPU).
+      apply: the fused apply (``program.Apply``, its graft ratio known before the step): the
+        kernel writes the parameters in place instead of ``u``, which it returns in ``u``'s
+        place.
 
     Returns:
       ``u`` in the arithmetic's dtype (``pointwise.compute_dtype``) and the new ``m``, ``d``,
@@ -168,17 +173,17 @@ def update(
         kernel, static = _banded_kernel, {"halo": halo}
     return _step_call(
         kernel, views, prev, after, corrections, hyper, block,
-        shape=g.shape, interpret=interpret, **static,
+        shape=g.shape, interpret=interpret, apply=apply, **static,
     )  # fmt: skip
 
 
 def _kernel(
-    scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref,
-    u_ref, m_out, d_out, e_out, parts_ref, *, flags, pairs,
+    scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref, *refs, flags, pairs, apply,
 ):  # fmt: skip
-    """One block of band 1: the new state, ``u`` and the norm pairs (:func:`update`)."""
+    """One block of band 1: the new state, ``u`` (or the parameters) and the norm pairs
+    (:func:`update`, :func:`_finish`)."""
     hyper, corrections = _hyper(scalars_ref, flags)
-    dtype = u_ref.dtype
+    dtype = scalars_ref.dtype
     g, m_old, d_old = (ref[...].astype(dtype) for ref in (g_ref, m_ref, d_ref))
     e_old = e_ref[0].astype(dtype)
     prev, after = prev_ref[0], next_ref[0]  # (4, 1, cols): g, new m, new d, old e
@@ -208,14 +213,10 @@ def _kernel(
     u = pointwise.tridiagonal_direction(
         v_before, v_here, v_after, e_here, e_before, corrections, hyper
     )
-    u_ref[...] = u
-    m_out[...], d_out[...], e_out[...] = (
-        x.astype(ref.dtype) for x, ref in ((m, m_out), (d, d_out), (e_here[None], e_out))
-    )
     normed = [pointwise.adam_direction(m, d, corrections, hyper), u]
     if pairs == 3:
         normed.append(pointwise.diagonal_root(d, corrections))
-    _write_pairs(parts_ref, normed)
+    _finish(scalars_ref, refs, apply, u, (m, d, e_here[None]), normed)
 
 
 def banded_halo(band: int) -> int:
@@ -226,12 +227,14 @@ def banded_halo(band: int) -> int:
 
 
 def _step_call(
-    kernel, views, prev, after, corrections, hyper: Hyper, block, *, shape, interpret, **static
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    kernel, views, prev, after, corrections, hyper: Hyper, block, *, shape, interpret, apply,
+    **static,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """One launch of a step ``kernel`` over the blocks of a tensor's view: ``views`` are ``g, m,
     d`` as ``(rows, cols)`` and ``e`` as ``(b, rows, cols)``, the last three updated in place;
-    ``prev`` and ``after`` the rows beyond each block, ``(blocks, 3 + b, halo, cols)``. Returns
-    ``(u, m, d, e, parts)`` (:func:`update`), ``u``, ``m`` and ``d`` of ``shape``."""
+    ``prev`` and ``after`` the rows beyond each block, ``(blocks, 3 + b, halo, cols)``; with
+    ``apply`` the parameters updated in place of ``u``. Returns ``(u or params, m, d, e,
+    parts)`` (:func:`update`), the first three of ``shape``."""
     num_rows, cols = views[0].shape
     band = views[3].shape[0]
     block_rows, block_cols = block
@@ -242,24 +245,34 @@ def _step_call(
     off_diagonals = pl.BlockSpec((band, *block), lambda i, j: (0, i, j))
     rows = pl.BlockSpec((1, *prev.shape[1:3], block_cols), lambda i, j: (i, 0, 0, j))
     flags = (hyper.graft, hyper.precondition_1d, hyper.damping)
-    u, m, d, e, parts = pl.pallas_call(
-        functools.partial(kernel, flags=flags, pairs=pairs, **static),
+    inputs = [_scalars(hyper, corrections, apply, dtype), *views, prev, after]
+    aliases = {2: 1, 3: 2, 4: 3}  # m, d, e in place
+    first = jax.ShapeDtypeStruct((num_rows, cols), dtype)  # u
+    if apply is not None:  # the parameters in place, instead of u
+        inputs.append(apply.params.reshape(num_rows, cols))
+        aliases[len(inputs) - 1] = 0
+        first = jax.ShapeDtypeStruct((num_rows, cols), apply.params.dtype)
+    out, m, d, e, parts = pl.pallas_call(
+        functools.partial(kernel, flags=flags, pairs=pairs, apply=apply is not None, **static),
         grid=grid,
-        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)] + [here] * 3 + [off_diagonals, rows, rows],
+        in_specs=[pl.BlockSpec(memory_space=pltpu.SMEM)]
+        + [here] * 3
+        + [off_diagonals, rows, rows]
+        + [here] * (apply is not None),
         out_specs=[here] * 3
         + [off_diagonals, pl.BlockSpec((1, 1, 8, _LANES), lambda i, j: (i, j, 0, 0))],
         out_shape=[
-            jax.ShapeDtypeStruct((num_rows, cols), dtype),
+            first,
             *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in views[1:]),
             jax.ShapeDtypeStruct((*grid, 8, _LANES), dtype),
         ],
-        input_output_aliases={2: 1, 3: 2, 4: 3},
+        input_output_aliases=aliases,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=interpret,
         name=f"sonew_tpu_band{band}",
-    )(_scalars(hyper, corrections, dtype), *views, prev, after)
+    )(*inputs)
     parts = parts[:, :, : 2 * pairs, 0].reshape(-1, 2 * pairs).T
-    return u.reshape(shape), m.reshape(shape), d.reshape(shape), e.reshape(band, *shape), parts
+    return out.reshape(shape), m.reshape(shape), d.reshape(shape), e.reshape(band, *shape), parts
 
 
 def _halo_rows(views, pre, post, rows: int, halo: int, dtype) -> tuple[jax.Array, jax.Array]:
@@ -290,10 +303,16 @@ def _halo_rows(views, pre, post, rows: int, halo: int, dtype) -> tuple[jax.Array
     )
 
 
-def _scalars(hyper: Hyper, corrections, dtype) -> jax.Array:
-    """A launch's scalars (SMEM): b1, b2, eps, gamma, graft_eps, the bias corrections."""
-    numbers = (hyper.b1, hyper.b2, hyper.eps, hyper.gamma, hyper.graft_eps, *corrections)
-    return jnp.stack([jnp.asarray(x, dtype) for x in numbers] + [jnp.zeros((), dtype)])
+def _scalars(hyper: Hyper, corrections, apply: Apply | None, dtype) -> jax.Array:
+    """A launch's scalars (SMEM): b1, b2, eps, gamma, graft_eps, the bias corrections, and with
+    the fused ``apply`` the tensor's graft ratio, weight decay (0 where not decayed) and scale."""
+    numbers = [hyper.b1, hyper.b2, hyper.eps, hyper.gamma, hyper.graft_eps, *corrections]
+    if apply is None:
+        numbers += [0, 0, 0]
+    else:
+        decay = apply.weight_decay if apply.decayed else 0
+        numbers += [apply.ratios[apply.slot], decay, apply.scale]
+    return jnp.stack([jnp.asarray(x, dtype).reshape(()) for x in numbers])
 
 
 def _hyper(scalars_ref, flags) -> tuple[Hyper, tuple]:
@@ -317,13 +336,29 @@ def _write_pairs(parts_ref, normed: list[jax.Array]) -> None:
     parts_ref[0, 0] = tile
 
 
+def _finish(scalars_ref, refs, apply: bool, u, state, normed) -> None:
+    """A block's outputs: ``u``, or with the fused ``apply`` the parameters written in its place
+    (``pointwise.apply_update``; ``refs`` then start with the parameters' input), the new
+    ``state`` (``m, d, e``) in its stored dtypes, and the norm pairs of ``normed``."""
+    if apply:
+        p_ref, out_ref, *state_refs, parts_ref = refs
+        ratio, decay, scale = (scalars_ref[k] for k in range(_SCALARS - 3, _SCALARS))
+        p = p_ref[...].astype(u.dtype)
+        out_ref[...] = pointwise.apply_update(p, u, ratio, decay, scale).astype(out_ref.dtype)
+    else:
+        out_ref, *state_refs, parts_ref = refs
+        out_ref[...] = u
+    for x, ref in zip(state, state_refs, strict=True):
+        ref[...] = x.astype(ref.dtype)
+    _write_pairs(parts_ref, normed)
+
+
 def _banded_kernel(
-    scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref,
-    u_ref, m_out, d_out, e_out, parts_ref, *, flags, pairs, halo,
+    scalars_ref, g_ref, m_ref, d_ref, e_ref, prev_ref, next_ref, *refs, flags, pairs, apply, halo,
 ):  # fmt: skip
-    """One block of band ``b >= 2``, extended (:func:`update`)."""
+    """One block of band ``b >= 2``, extended (:func:`update`, :func:`_finish`)."""
     hyper, corrections = _hyper(scalars_ref, flags)
-    dtype = u_ref.dtype
+    dtype = scalars_ref.dtype
     prev, after = prev_ref[0], next_ref[0]  # (3 + b, halo, cols)
     band = e_ref.shape[0]
 
@@ -343,17 +378,13 @@ def _banded_kernel(
     e_new = pointwise.edge_statistic(e_old, g, successors, hyper)
     bc1, bc2 = corrections
     u = solve.precondition(d / bc2 + hyper.eps, e_new / bc2, m / bc1, hyper.gamma, shift)
-    rows = u_ref.shape[0]
+    rows = g_ref.shape[0]
 
     def kept(x: jax.Array) -> jax.Array:
         return x[..., halo : halo + rows, :]
 
     m, d, u, e_new = kept(m), kept(d), kept(u), kept(e_new)
-    u_ref[...] = u
-    m_out[...], d_out[...], e_out[...] = (
-        x.astype(ref.dtype) for x, ref in ((m, m_out), (d, d_out), (e_new, e_out))
-    )
     normed = [pointwise.adam_direction(m, d, corrections, hyper), u]
     if pairs == 3:
         normed.append(pointwise.diagonal_root(d, corrections))
-    _write_pairs(parts_ref, normed)
+    _finish(scalars_ref, refs, apply, u, (m, d, e_new), normed)
