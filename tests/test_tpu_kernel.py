@@ -5,6 +5,8 @@ On a CPU it runs in Pallas' interpreter (``KernelConfig(platform="tpu")``); ``in
 lowers it for TPU (``jax.export``), as a TPU host compiles it.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +47,9 @@ def test_block_shape_tiles_the_view_or_declines():
     assert tpu.block_shape((1024, 4096), 4, config) == (128, 128)  # config.tpu_banded_block
     assert tpu.block_shape((1024, 4096), 0, config) is None  # XLA's diag step is at its floor
     assert tpu.block_shape((1024, 4096), config.max_band + 1, config) is None
+    wide = dataclasses.replace(config, max_band=10)  # a halo of 32 rows: 176 = 16 x 11 rows
+    assert tpu.block_shape((176, 4096), 10, wide) is None  # tile only in blocks of 16
+    assert tpu.block_shape((1024, 4096), 10, wide) == (128, 128)
     with pytest.raises(ValueError, match="tpu_block"):
         KernelConfig(tpu_block=(10, 128))
 

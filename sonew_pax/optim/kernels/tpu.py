@@ -59,8 +59,8 @@ def block_shape(shape: tuple[int, ...], band: int, config: KernelConfig) -> tupl
     Columns: the largest multiple of 128 that divides the view's and is at most the second of
     ``config.tpu_block`` (band 1) or ``config.tpu_banded_block`` (bands >= 2: their solve holds
     ``O(b^2)`` block-sized values); rows: the largest multiple of 16 that divides the view's and
-    keeps the block within that shape's elements. Blocks that tile the view exactly need no
-    masks.
+    keeps the block within that shape's elements, for bands >= 2 at least their halo
+    (:func:`banded_halo`). Blocks that tile the view exactly need no masks.
     """
     if len(shape) < 2 or not 1 <= band <= config.max_band:
         return None
@@ -70,6 +70,8 @@ def block_shape(shape: tuple[int, ...], band: int, config: KernelConfig) -> tupl
     max_rows, max_cols = config.tpu_block if band == 1 else config.tpu_banded_block
     block_cols = _largest_divisor(cols, _LANES, max_cols)
     block_rows = _largest_divisor(rows, _SUBLANES, max(max_rows * max_cols // block_cols, 1))
+    if band >= 2 and block_rows < banded_halo(band):  # its halo comes from one block each side
+        return None
     return block_rows, block_cols
 
 
