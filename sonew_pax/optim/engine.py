@@ -240,14 +240,8 @@ def _leaf_step(
     kernels' per-tile pairs with a tile per row, which :func:`_norm_results` merges with every
     other tensor's.
     """
-    raw = _raw(g, m, d)
-    if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
-        # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
-        m_new, d_new = pointwise.moments(raw, hyper)
-        adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
-        return adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None
     band = _band(e)
-    if tpu is not None:
+    if tpu is not None:  # a preconditioned tensor (_on_tpu_kernel)
         pre, post = _edge_rows(edge, band, g.shape)
         block = pallas.tpu.block_shape(g.shape, band, tpu)
         u, m, d, e, parts = pallas.tpu.update(
@@ -255,6 +249,12 @@ def _leaf_step(
             apply=apply,
         )  # fmt: skip
         return u, m, d, e, parts if _has_norms(hyper) else None
+    raw = _raw(g, m, d)
+    if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
+        # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
+        m_new, d_new = pointwise.moments(raw, hyper)
+        adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
+        return adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
     return step.u, step.m.astype(m.dtype), step.d.astype(d.dtype), e_new, grafting
@@ -379,6 +379,14 @@ def _on_tpu_kernel(
     )
 
 
+def _on_any_kernel(
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+) -> bool:
+    """Whether a kernel, the GPU's (:func:`_on_kernel`) or the TPU's (:func:`_on_tpu_kernel`),
+    steps this tensor: its edges then hold the old state, and it may write its parameters."""
+    return _on_kernel(kernels, layout, band, hyper) or _on_tpu_kernel(kernels, layout, band, hyper)
+
+
 def _damped(hyper: Hyper, diag: Any) -> Hyper:
     """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``"absolute"`` keeps
     ``eps``; a relative damping multiplies it by ``diag``, the mean (``"mean"``) or largest entry
@@ -436,7 +444,7 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
         band = _band(ei)
         if band == 0 or not _has_chain(lay, hyper):
             continue
-        kernel = _on_kernel(kernels, lay, band, hyper) or _on_tpu_kernel(kernels, lay, band, hyper)
+        kernel = _on_any_kernel(kernels, lay, band, hyper)
         if band == 1 and not kernel:
             m[k], d[k] = _xla_edge_inputs(grads[k], m[k], d[k], hyper)
         if kernel or band == 1 or _extends(grads[k], lay, band):
@@ -579,10 +587,7 @@ def _kernel_apply(
     whose graft ratio is known before the step, 1 without grafting or graft_lag's (``ratio``, the
     state's array, read at the tensor's ``slot``); else ``None`` (then its ``u`` is written out
     and grafted with the step's own ratio before it is applied)."""
-    band = _band(e)
-    if apply is None or not (
-        _on_kernel(kernels, layout, band, hyper) or _on_tpu_kernel(kernels, layout, band, hyper)
-    ):
+    if apply is None or not _on_any_kernel(kernels, layout, _band(e), hyper):
         return None
     if hyper.graft == "none":
         return pallas.Apply(p, jnp.ones((1,)), 0, apply.weight_decay, apply.scale, decayed)

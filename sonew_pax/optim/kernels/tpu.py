@@ -2,16 +2,15 @@
 
 On a TPU the XLA step shifts arrays by rows along axis 0, the second-minor (sublane) axis of the
 TPU's ``(8, 128)`` tiles. XLA materialises each shifted array, and the norms' reduction reads the
-state again: compiled for a TPU v5e, a tensor too large for VMEM moves about 128 B per parameter
-for band 1 and 636 for band 4 (``benchmarks/tpu_compile.py``), where AdamW moves 28. These
-kernels keep a block of ``(rows, cols)`` of the tensor's 2-D view (``geometry.tile_view``) in
-VMEM, shift it there (``pltpu.roll``, a rotate of the block's sublanes), and write the new state
-in place, ``u`` and the block's norm pairs: they read ``g, m, d, e`` and write ``m, d, e, u``
-once.
+state again: several times AdamW's HBM bytes on a tensor too large for VMEM
+(``benchmarks/tpu_compile.py``; docs/performance.md has the counts). These kernels keep a block of
+``(rows, cols)`` of the tensor's 2-D view (``geometry.tile_view``) in VMEM, shift it there
+(``pltpu.roll``, a rotate of the block's sublanes), and write the new state in place, ``u`` and
+the block's norm pairs: they read ``g, m, d, e`` and write ``m, d, e, u`` once.
 
 * Band 1 (:func:`_kernel`): each element's outputs need its chain neighbours' *new*
   moments. Inside a block they are the block's own, shifted; at a block's first and last rows
-  they come from ``prev`` and ``next`` (:func:`neighbour_rows`), built before the kernel from the
+  they come from ``prev`` and ``next`` (``_neighbour_rows``), built before the kernel from the
   old state: the rows just outside each block and, beyond the view, the tensor's ``edges``
   (``engine._edges``: the previous column's last row, or a neighbouring shard's), their moments
   updated by XLA (a few rows per block).
@@ -84,7 +83,7 @@ def _largest_divisor(n: int, step: int, limit: int) -> int:
     return step
 
 
-def neighbour_rows(
+def _neighbour_rows(
     g: jax.Array,
     m: jax.Array,
     d: jax.Array,
@@ -133,7 +132,7 @@ def update(
     apply: Apply | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """One tensor's (or shard's) step as a TPU kernel: ``(u, m, d, e, parts)``. Band 1 runs
-    :func:`_kernel` on blocks with their outer neighbours' rows (:func:`neighbour_rows`); bands
+    :func:`_kernel` on blocks with their outer neighbours' rows (``_neighbour_rows``); bands
     ``b >= 2`` run :func:`_banded_kernel` on blocks extended by :func:`banded_halo` rows of the
     old state on each side (the rows of the neighbouring blocks, or beyond the view the tensor's
     edges; :func:`_halo_rows`): the whole-tensor step runs on the extended block in VMEM
@@ -166,7 +165,7 @@ def update(
     num_rows, cols = tile_view(g.shape)
     views = [x.reshape(num_rows, cols) for x in (g, m, d)] + [e.reshape(band, num_rows, cols)]
     if band == 1:
-        prev, after = neighbour_rows(g, m, d, e[0], pre, post, block[0], hyper)
+        prev, after = _neighbour_rows(g, m, d, e[0], pre, post, block[0], hyper)
         kernel, prev, after, static = _kernel, prev[:, :, None], after[:, :, None], {}
     else:
         halo = banded_halo(band)
@@ -287,10 +286,10 @@ def _halo_rows(views, pre, post, rows: int, halo: int, dtype) -> tuple[jax.Array
 
     def side(take: slice) -> jax.Array:
         """Rows ``take`` of every block: ``(blocks, 3 + b, halo, cols)``."""
-        parts = [x.reshape(blocks, rows, cols)[:, take] for x in views[:3]]
-        e = views[3]
-        parts.append(jnp.moveaxis(e.reshape(e.shape[0], blocks, rows, cols)[:, :, take], 0, 1))
-        return jnp.concatenate([p[:, None] if p.ndim == 3 else p for p in parts], axis=1)
+        g, m, d, e = views
+        state = [x.reshape(blocks, 1, rows, cols)[:, :, take] for x in (g, m, d)]
+        off_diagonals = e.reshape(e.shape[0], blocks, rows, cols)[:, :, take]
+        return jnp.concatenate([*state, jnp.moveaxis(off_diagonals, 0, 1)], axis=1)
 
     def edge(x: jax.Array, before: bool) -> jax.Array:
         x = x.reshape(x.shape[0], x.shape[1], cols).astype(dtype)
