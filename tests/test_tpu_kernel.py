@@ -52,6 +52,10 @@ def test_block_shape_tiles_the_view_or_declines():
     assert tpu.block_shape((1024, 4096), 10, wide) == (128, 128)
     with pytest.raises(ValueError, match="tpu_block"):
         KernelConfig(tpu_block=(10, 128))
+    with pytest.raises(ValueError, match=r"KernelConfig\.platform = 'TPU'"):
+        KernelConfig(platform="TPU")
+    with pytest.raises(ValueError, match=r"KernelConfig\.interpret = 'no'"):
+        KernelConfig(interpret="no")
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,10 @@ class KernelConfig:
         for name in counts:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"KernelConfig.{name} = {getattr(self, name)!r}: want an int >= 1")
+        if self.interpret not in (None, True, False):
+            raise ValueError(
+                f"KernelConfig.interpret = {self.interpret!r}: want True, False or None"
+            )
         if self.platform not in (None, "gpu", "tpu"):
             raise ValueError(
                 f"KernelConfig.platform = {self.platform!r}: want 'gpu', 'tpu' or None"
