@@ -17,6 +17,7 @@ import pytest
 from benchmarks import (
     common,
     compile_cache,
+    compile_profile,
     device_trace,
     kernel_speed,
     lm_shapes,
@@ -350,6 +351,45 @@ def test_device_trace_reads_device_kernels():
     assert [lane["device"] for lane in lanes] == ["/device:GPU:1", "/device:GPU:0"]
     assert abs(lanes[0]["busy_ms"] - 0.2) < 1e-12 and abs(lanes[1]["busy_ms"] - 0.1) < 1e-12
     assert abs(lanes[1]["span_ms"] - 0.065) < 1e-12 and lanes[1]["kernels"] == 1.5
+
+
+def test_compile_profile_schema(tmp_path):
+    """On the CPU the update compiles for the CPU: no GPU phases, but the schema and counts."""
+    out = tmp_path / "compile_profile.json"
+    argv = ["--optimizers", "adamw,sonew_tridiag", *TINY, "--out", str(out)]
+    written = _read(out, compile_profile.main(argv))
+    rows = {row["optimizer"]: row for row in written["rows"]}
+    assert set(rows) == {"adamw", "sonew_tridiag"}
+    for row in rows.values():
+        assert set(compile_profile.COLUMNS) <= row.keys()
+        assert _finite(row["compile_s"]) and row["compile_s"] > 0
+        assert row["custom_calls"] == 0
+    assert rows["adamw"]["compile_ratio_vs_adamw"] == 1.0
+
+
+def test_compile_profile_sums_the_phases_events():
+    trace = {
+        "traceEvents": [
+            {"ph": "X", "name": "priority-fusion", "ts": 0.0, "dur": 1.5e6},
+            {"ph": "X", "name": "PTX->CUBIN", "ts": 0.0, "dur": 2e5},
+            {"ph": "X", "name": "PTX->CUBIN", "ts": 1.0, "dur": 3e5},
+            {"ph": "i", "name": "priority-fusion", "ts": 2.0},  # an instant: no duration
+            {"ph": "X", "name": "something-else", "ts": 0.0, "dur": 9e6},
+        ]
+    }
+    phases = compile_profile.phase_seconds(trace)
+    assert set(phases) == set(compile_profile.PHASES)
+    assert phases["fusion_pass_s"] == 1.5 and abs(phases["ptxas_s"] - 0.5) < 1e-12
+    assert phases["hlo_passes_s"] == phases["autotune_s"] == 0.0
+
+
+def test_compile_profile_names_an_unusable_target_config(tmp_path):
+    if jax.devices()[0].platform == "gpu":
+        pytest.skip("a GPU host has the CUDA plugin")
+    config = tmp_path / "gpu.pbtxt"
+    config.write_text("gpu_device_info { core_count: 132 }\n")
+    with pytest.raises(SystemExit, match=r"gpu\.pbtxt"):
+        compile_profile.target_device(str(config))
 
 
 def test_profile_update_schema(tmp_path):
