@@ -280,6 +280,30 @@ def write_json(path: str | os.PathLike, obj) -> Path:
     return write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
+def compiled_rows(
+    args: argparse.Namespace,
+    result: dict,
+    row_of: Callable[[str], dict],
+    key: str,
+    ratio_key: str,
+    line: Callable[[dict], str],
+) -> dict:
+    """``result`` with a row ``row_of(name)`` for each of ``args.optimizers`` (each printed as
+    ``line(row)``; the JSON at ``args.out`` rewritten after each, so a run cut short keeps what it
+    measured), then each row's ``ratio_key``: its ``key`` over AdamW's row's, ``None`` without
+    one (the compile-only benchmarks' loop)."""
+    for name in args.optimizers:
+        row = row_of(name)
+        result["rows"].append(row)
+        print(line(row), flush=True)
+        write_json(args.out, result)
+    adamw = {r["optimizer"]: r for r in result["rows"]}.get("adamw")
+    for row in result["rows"]:
+        row[ratio_key] = row[key] / adamw[key] if adamw else None
+    write_json(args.out, result)
+    return result
+
+
 def _cell(value) -> str:
     """One table cell: floats with 3 decimals (3 significant digits below 1), None as '-', lists
     as their cells joined by ' / '."""

@@ -152,15 +152,14 @@ def main(argv=None) -> dict:
     )
     if args.gpu_target_config:
         result["device"] = f"{device.device_kind} (compiled without one, on {result['device']})"
-    for name in args.optimizers:
-        row = profile_update(name, shapes, device)
-        result["rows"].append(row)
-        print(f"{name}: {row['compile_s']:.1f} s", flush=True)
-        common.write_json(args.out, result)
-    adamw = {r["optimizer"]: r for r in result["rows"]}.get("adamw")
-    for row in result["rows"]:
-        row["compile_ratio_vs_adamw"] = row["compile_s"] / adamw["compile_s"] if adamw else None
-    common.write_json(args.out, result)
+    common.compiled_rows(
+        args,
+        result,
+        lambda name: profile_update(name, shapes, device),
+        "compile_s",
+        "compile_ratio_vs_adamw",
+        lambda row: f"{row['optimizer']}: {row['compile_s']:.1f} s",
+    )
     print(f"\ncompiled for {device.device_kind}, {result['params'] / 1e6:.1f}M parameters\n")
     print(common.format_table(result["rows"], COLUMNS))
     return result

@@ -238,17 +238,16 @@ def main(argv=None) -> dict:
     shapes = lm_shapes.from_args(args)
     result = common.lm_set_result(args, lm_shapes.count(shapes), topology=args.topology)
     result["device"] = f"{device.device_kind} (compiled without one, on {result['device']})"
-    for name in args.optimizers:
-        row = compile_update(name, shapes, device)
-        result["rows"].append(row)
-        print(
-            f"{name}: {row['hbm_b_per_param']:.1f} B/param ({row['compile_s']:.0f} s)", flush=True
-        )
-        common.write_json(args.out, result)
-    adamw = {r["optimizer"]: r for r in result["rows"]}.get("adamw")
-    for row in result["rows"]:
-        row["ratio_vs_adamw"] = row["hbm_b_per_param"] / adamw["hbm_b_per_param"] if adamw else None
-    common.write_json(args.out, result)
+    common.compiled_rows(
+        args,
+        result,
+        lambda name: compile_update(name, shapes, device),
+        "hbm_b_per_param",
+        "ratio_vs_adamw",
+        lambda row: (
+            f"{row['optimizer']}: {row['hbm_b_per_param']:.1f} B/param ({row['compile_s']:.0f} s)"
+        ),
+    )
     print(f"\ncompiled for {device.device_kind}, {result['params'] / 1e6:.1f}M parameters\n")
     print(common.format_table(result["rows"], COLUMNS))
     return result
