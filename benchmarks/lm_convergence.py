@@ -901,12 +901,14 @@ def merge_results(results: list[dict]) -> dict:
     keys = [(*run_key(run), run["seed"]) for run in runs]
     if len(set(keys)) != len(keys):
         raise ValueError("cannot merge: a setting ran twice from one seed")
+    # The grids are what ran (a diverged run counts): a file's config lists its whole grid even
+    # where some of its runs are missing (a shard cut short), and a grid edge that never ran
+    # must not look explored.
     lrs = {
-        name: sorted({lr for r in results for lr in r["config"]["learning_rates"].get(name, [])})
+        name: sorted({run["learning_rate"] for run in runs if run["optimizer"] == name})
         for name in OPTIMIZERS
     }
-    swept = (r["config"]["hyperparameters"][CANDIDATE]["eps"] for r in results)
-    eps = {CANDIDATE: sorted({e for values in swept for e in np.atleast_1d(values).tolist()})}
+    eps = {CANDIDATE: sorted({run["eps"] for run in runs if run["optimizer"] == CANDIDATE})}
     config = {**copy.deepcopy(first), "seeds": seeds, "learning_rates": lrs}
     config.pop("seed", None)
     config["hyperparameters"][CANDIDATE]["eps"] = eps[CANDIDATE]

@@ -248,10 +248,12 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
     best_again["config"]["learning_rates"]["sonew_tridiag"] = [1.0]
     wider = _result(0, [4.0], [_run("adamw", 4.0, 0, [5.0, 4.0, 3.0])])
     wider["config"]["learning_rates"]["sonew_tridiag"] = []
+    wider["config"]["learning_rates"]["adamw"] = [4.0, 8.0]  # 8.0 never ran (a shard cut short)
     for run in wider["runs"]:
         del run["seed"]  # older results: the config's seed
     merged = lm_convergence.merge_results([sweep, best_again, wider])
     assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
+    # the grids are the rates that ran: 8.0, listed but not run, is no grid edge
     assert merged["config"]["learning_rates"]["adamw"] == [1.0, 2.0, 4.0]
     rows = {row["optimizer"]: row for row in merged["rows"]}
     adamw, sonew = rows["adamw"], rows["sonew_tridiag"]
