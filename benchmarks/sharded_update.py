@@ -17,13 +17,15 @@ timed (``--warmup`` untimed steps, median of ``--iters`` wall times), then ``--p
 traced (kept in ``--trace_dir``): a step's device time is the busiest device's kernel time (a
 sharded step waits for its slowest shard), and ``device_speedup`` compares those. Scaling
 efficiency = t1 / (N * tN) on wall times: 1 is ideal N-fold scaling. The compiled sharded
-update's collectives and kernel launches (``common.launch_counts``) are counted from its HLO text.
+update's collectives and kernel launches (``common.launch_counts``) are counted from its HLO text,
+the collective-permutes against ``permute_bound`` (what the exchange design allows).
 
 Output: a table, and ``--out`` (default ``benchmarks/results/sharded_update.json``)
 ``{"device", "date", "params", "devices", "config", "rows": [{"band", "variant", "mesh", "specs",
 "ms_1dev", "ms_sharded", "speedup", "scaling_efficiency", "max_rel_diff", "equal",
-"collectives", "device_ms_1dev", "device_ms_sharded", "device_speedup", "devices_ms_sharded",
-"families_1dev", "families_sharded"}]}`` (the device columns with ``--profile_steps``).
+"collectives", "permute_bound", "device_ms_1dev", "device_ms_sharded", "device_speedup",
+"devices_ms_sharded", "families_1dev", "families_sharded"}]}`` (the device columns with
+``--profile_steps``).
 
 Usage: ``python -m benchmarks.sharded_update [--devices 2] [--bands 1] [--scale 1]``. On CPU,
 simulate devices with ``XLA_FLAGS=--xla_force_host_platform_device_count=8``.
@@ -98,6 +100,28 @@ def copy_tree(tree):
 def count_collectives(hlo_text: str) -> dict[str, int]:
     """How many instructions of each collective kind the compiled HLO holds."""
     return {name: len(re.findall(rf"\s{name}(-start)?\(", hlo_text)) for name in COLLECTIVES}
+
+
+def permute_bound(specs, band: int) -> int:
+    """The most collective-permutes a sharded update holds (2-D tensors, shards at least as
+    thick as the band's halo, ``chain.halo_width``): ``4 K``, with ``K`` the distinct pairs
+    (mesh axes splitting a dimension of a matrix, mesh axes that matrix is split over); 0 for
+    band 0, which reads no neighbour.
+
+    Bands >= 1 move only the tree's edges (``chain.edges_of``): each block's rows before and
+    after it (two directions), along the axes splitting axis 0, after the wrap into the next
+    column along those splitting the others (at most two rounds). Arrays going the same way and
+    varying over the same mesh axes travel in one message (``chain.exchange``): the bound counts
+    neither the tensors nor the band. Thinner shards take more hops, more dimensions more rounds.
+    """
+    if band == 0:
+        return 0
+    pairs = set()
+    for spec in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)):
+        splits = [e if isinstance(e, tuple) else (e,) for e in spec if e is not None]
+        varying = frozenset(axis for split in splits for axis in split)
+        pairs |= {(split, varying) for split in splits}
+    return 4 * len(pairs)
 
 
 def max_rel_diff(sharded, single) -> float:
@@ -221,6 +245,7 @@ def bench_variants(
                 "max_rel_diff": diff,
                 "equal": diff <= args.tol,
                 "collectives": collectives,
+                "permute_bound": permute_bound(specs, band),
                 **_device_columns(profile_1dev, profile),
             }
         )

@@ -311,6 +311,22 @@ def test_sharded_update_schema_and_equality(tmp_path):
         assert row["equal"] and row["max_rel_diff"] <= 1e-5
         assert _finite(row["scaling_efficiency"]) and _finite(row["ms_sharded"])
         assert row["collectives"]["all-gather"] == 0 and row["collectives"]["all-to-all"] == 0
+        assert 0 < row["collectives"]["collective-permute"] <= row["permute_bound"]
+    # model=8: one split (model), so 4; data=2 x model=4: two splits of the matrices, so 8.
+    assert [row["permute_bound"] for row in written["rows"]] == [4, 8]
+
+
+def test_permute_bound_counts_splits_and_varying_axes_not_tensors():
+    """``permute_bound`` is 4 per (mesh axes splitting a dimension, mesh axes the tensor varies
+    over): tensors, replicated ones and the band add nothing; band 0 needs no permute."""
+    spec = jax.sharding.PartitionSpec
+    one = {"a": spec("model", None), "b": spec(None, "model"), "norm": spec()}
+    assert sharded_update.permute_bound(one, 1) == sharded_update.permute_bound(one, 4) == 4
+    assert sharded_update.permute_bound({**one, "c": spec("model", None)}, 1) == 4
+    assert sharded_update.permute_bound(one, 0) == 0
+    two = {"a": spec("data", "model"), "e": spec("model", None)}  # e varies over model only
+    assert sharded_update.permute_bound(two, 2) == 4 * 3
+    assert sharded_update.permute_bound({"a": spec(("data", "model"), None)}, 1) == 4
 
 
 def test_device_trace_reads_device_kernels():
