@@ -24,7 +24,10 @@ the profiler, and sums the host's trace events of XLA's GPU compiler by name:
 (what ``XLA_FLAGS=--xla_dump_to=DIR`` writes as ``*.gpu_target_config.pbtxt`` on a GPU machine;
 ``benchmarks/targets/`` keeps an H200's) on any host with JAX's CUDA plugin (``pip install
 'jax[cuda12]'``) and no GPU: every phase but autotuning runs on the host's CPUs, so the times are
-the host's. Without it, the update compiles for the first local device.
+the host's. Without it, the update compiles for the first local device. The rows compile in one
+process, in the order given: what XLA caches in a process (autotuning results; a Triton kernel
+whose IR another row compiled) is then cheaper for the later rows, as in a training script that
+compiles its train step after another program.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/compile_profile.json``) ``{"device",
 "date", "params", "config", "rows": [{"optimizer", "compile_s", "compile_ratio_vs_adamw", ...}]}``.
