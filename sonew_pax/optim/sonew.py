@@ -22,11 +22,12 @@ Through ``update`` and ``optax.apply_updates`` the lag saves nothing.
 The damping ``delta`` is relative to the tensor's own diagonal at the previous step (infinite at
 the first step: the update is zero), so ``eps`` keeps its meaning across gradient scales and model
 sizes. ``g_{+k}`` is the ``k``-th successor along the tensor's chain (Fortran order, see
-``chain.py``). Every state array has its parameter's shape (the off-diagonals are stacked on a
-leading ``band`` axis; the damping's statistics are one small replicated array), so the state is
-sharded exactly like the parameters; with ``mesh`` and ``param_specs`` the
-update runs under ``jax.shard_map`` and equals the unsharded update. The step itself is
-:mod:`sonew_pax.optim.engine`'s.
+``chain.py``): one chain per tensor, so each layer's weights should be a tensor of their own (a
+tensor stacked over layers, as by ``nn.scan``, chains along its layer axis). Every state array
+has its parameter's shape (the off-diagonals are stacked on a leading ``band`` axis; the
+damping's statistics are one small replicated array), so the state is sharded exactly like the
+parameters; with ``mesh`` and ``param_specs`` the update runs under ``jax.shard_map`` and equals
+the unsharded update. The step itself is :mod:`sonew_pax.optim.engine`'s.
 
 References:
   Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon: "A Computationally Efficient Sparsified Online
