@@ -44,7 +44,6 @@ from pathlib import Path
 import jax
 
 from benchmarks import common, device_trace, lm_shapes, updates
-from sonew_pax import optim
 
 # Output column -> the compiler's trace event whose durations it sums.
 PHASES = {
@@ -101,15 +100,7 @@ def profile_update(name: str, shapes, device) -> dict:
     """``name``'s donated update of ``shapes`` compiled for ``device`` under the profiler: the
     row's columns (module docstring)."""
     sharding = jax.sharding.SingleDeviceSharding(device)
-
-    def placed(tree):
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
-        )
-
-    tx = updates.make_optimizer(name, optim.KernelConfig(platform="gpu", interpret=False))
-    params, state = placed(shapes), placed(jax.eval_shape(tx.init, shapes))
-    lowered = updates.make_update(tx).trace(params, state, params).lower()
+    lowered = updates.lowered_update(name, shapes, sharding, "gpu")
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             start = time.perf_counter()

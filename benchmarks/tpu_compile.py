@@ -31,11 +31,9 @@ import math
 import re
 import time
 
-import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from benchmarks import common, lm_shapes, updates
-from sonew_pax import optim
 
 COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies", "compile_s")
 _ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
@@ -194,16 +192,8 @@ def compile_update(name: str, shapes, device) -> dict:
     """``name``'s donated update of ``shapes`` compiled for ``device``'s TPU, read by
     :func:`hbm_bytes`."""
     sharding = NamedSharding(Mesh([device], ("x",)), PartitionSpec())
-
-    def on_tpu(tree):
-        return jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
-        )
-
-    tx = updates.make_optimizer(name, optim.KernelConfig(platform="tpu", interpret=False))
-    params, state = on_tpu(shapes), on_tpu(jax.eval_shape(tx.init, shapes))
     start = time.perf_counter()
-    text = updates.make_update(tx).lower(params, state, params).compile().as_text()
+    text = updates.lowered_update(name, shapes, sharding, "tpu").compile().as_text()
     seconds = time.perf_counter() - start
     moved, _ = hbm_bytes(text)
     entry = text[text.index("\nENTRY") :]

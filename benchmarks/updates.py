@@ -73,6 +73,21 @@ def make_update(
     return jit(update, donate_argnums=(0, 1), **jit_kwargs)
 
 
+def lowered_update(name: str, shapes, sharding, platform: str) -> jax.stages.Lowered:
+    """The optimizer ``name``'s donated update (:func:`make_update`) lowered on abstract arrays of
+    ``shapes`` placed by ``sharding`` (nothing allocated: a compile-only device may compile it),
+    its kernels for ``platform`` (``KernelConfig.platform``) and not interpreted."""
+
+    def placed(tree):
+        return jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
+        )
+
+    tx = make_optimizer(name, optim.KernelConfig(platform=platform, interpret=False))
+    params, state = placed(shapes), placed(jax.eval_shape(tx.init, shapes))
+    return make_update(tx).trace(params, state, params).lower()
+
+
 def init_state(tx: optax.GradientTransformation, params):
     """``tx.init(params)`` committed to the first device (else the first update compiles twice:
     once for the uncommitted state and once for its committed output)."""
