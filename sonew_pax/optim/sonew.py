@@ -62,11 +62,11 @@ DAMPINGS = ("absolute", "mean", "max")
 # bias-corrected diagonal ``d_hat`` (``damping="mean"``), so its best value does not follow the
 # gradients' squared scale as an absolute one does (whose best moved from 1.3e-6 on the paper's
 # MNIST autoencoder to 1e-10 on a 134M-parameter LM). With only the learning rate tuned, 0.1 was
-# the best on the 134M LM, within 1% of the best loss on a 14M LM and on the MNIST autoencoder
-# (0.2% behind 5e-2) and 1.2% behind on a 0.4M LM, where 5e-2 is within 0.4% but 2.1% behind on
-# the 134M LM (benchmarks/README.md). ``gamma`` is the relative
-# Schur-complement tolerance of Algorithm 3: ``1 - rho^2 <= 1e-4`` (|correlation| > 0.99995) is
-# within ~1e3 float32 roundings of zero, so such edges are dropped rather than trusted.
+# the best on the 134M LM and within 1% of the best loss on the 14M and 0.4M LMs and the MNIST
+# autoencoder; 5e-2, within 0.4% on the 0.4M LM, is 2.1% behind on the 134M one
+# (benchmarks/README.md). ``gamma`` is the relative Schur-complement tolerance of Algorithm 3:
+# ``1 - rho^2 <= 1e-4`` (|correlation| > 0.99995) is within ~1e3 float32 roundings of zero, so
+# such edges are dropped rather than trusted.
 DEFAULT_EPS = 0.1
 DEFAULT_DAMPING = "mean"
 DEFAULT_GAMMA = 1e-4
