@@ -26,12 +26,10 @@ Usage: ``python -m benchmarks.lowering [--optimizers sonew_band4_lag_pallas] [--
 
 import argparse
 import collections
-import contextlib
 import dataclasses
 import functools
 import re
 import time
-from collections.abc import Iterator
 
 import jax
 
@@ -51,19 +49,6 @@ COLUMNS = (
 # A function of the lowered module (its name), and a call of one.
 _FUNCTION = re.compile(r"func\.func (?:public |private )?@(\w+)\(")
 _CALL = re.compile(r"\bcall @(\w+)\(")
-
-
-@contextlib.contextmanager
-def compiled_kernels() -> Iterator[None]:
-    """SONew's kernels' multiply-adds as they lower on an NVIDIA GPU (PTX, ``launch.ptx``), on
-    any backend. (The kernels are compiled, not interpreted, by the optimizer's
-    ``KernelConfig(interpret=False)``.)"""
-    saved = launch.ptx
-    launch.ptx = lambda: True
-    try:
-        yield
-    finally:
-        launch.ptx = saved
 
 
 def triton_programs(text: str) -> tuple[int, dict[str, set[str]]]:
@@ -102,17 +87,16 @@ def lower(name: str, shapes, args: argparse.Namespace) -> dict:
     launch.step_call.cache_clear()
     halo.halo_call.cache_clear()
     jax.clear_caches()
-    with compiled_kernels():
-        tx = updates.make_optimizer(
-            name, dataclasses.replace(common.kernel_config(args), interpret=False)
-        )
-        update = updates.make_update(tx, common.jit_for(args))
-        state = jax.eval_shape(tx.init, shapes)
-        start = time.perf_counter()
-        traced = update.trace(shapes, state, shapes)
-        traced_at = time.perf_counter()
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        lowered_at = time.perf_counter()
+    tx = updates.make_optimizer(
+        name, dataclasses.replace(common.kernel_config(args), interpret=False)
+    )
+    update = updates.make_update(tx, common.jit_for(args))
+    state = jax.eval_shape(tx.init, shapes)
+    start = time.perf_counter()
+    traced = update.trace(shapes, state, shapes)
+    traced_at = time.perf_counter()
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    lowered_at = time.perf_counter()
     launches, programs = triton_programs(text)
     return {
         "optimizer": name,

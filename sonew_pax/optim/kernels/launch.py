@@ -269,6 +269,8 @@ def step_call(
 
 
 def ptx() -> bool:
-    """Whether the kernels compile for NVIDIA GPUs, whose PTX ``fma.madd``'s assembly is (on
-    ROCm's the walk's multiply-adds stay apart)."""
-    return jax.devices()[0].device_kind.startswith("NVIDIA")
+    """Whether the compiled kernels are for NVIDIA GPUs, whose PTX ``fma.madd``'s assembly is (on
+    ROCm's the walk's multiply-adds stay apart): on an NVIDIA GPU, or lowered for one on a host
+    without a GPU (``jax.export`` or a compile-only CUDA device, the kernels not interpreted)."""
+    device = jax.devices()[0]
+    return device.platform != "gpu" or device.device_kind.startswith("NVIDIA")
