@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import KernelConfig, kernels, scale_by_sonew, sonew
+from sonew_pax.optim import KernelConfig, kernels, pointwise, scale_by_sonew, sonew
 from tests.test_sonew_sharded import assert_sharded_matches, make_mesh
 
 B2 = 0.95
@@ -99,6 +99,21 @@ def test_sharded_relative_damping_equals_unsharded(x64, damping):
     ]
     kwargs = dict(band=1, eps=1e-2, damping=damping, stats_dtype=jnp.float64)
     assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float64])
+def test_diagonal_root_is_the_square_root_of_d_hat(x64, dtype):
+    """The statistic's ``sqrt(d_hat)`` (computed as ``d_hat * rsqrt(d_hat)``, apart from Adam's
+    ``sqrt``) against numpy's float64 square root: to a few roundings for normal numbers, 0 below
+    the smallest normal one, and +inf and NaN kept."""
+    tiny = float(jnp.finfo(dtype).tiny)
+    d = np.array([0.0, tiny / 8, tiny, 1e-30, 0.3, 7.0, 1e30, np.inf, np.nan])
+    corrections = (jnp.asarray(0.5, dtype), jnp.asarray(0.25, dtype))  # d_hat = d / 0.25
+    got = np.asarray(pointwise.diagonal_root(jnp.asarray(d, dtype), corrections), np.float64)
+    d_hat = d / 0.25
+    want = np.where(d_hat < tiny, 0.0, np.sqrt(d_hat))
+    np.testing.assert_allclose(got, want, rtol=4 * float(jnp.finfo(dtype).eps))
+    assert np.isnan(got[-1]) and got[-2] == np.inf and got[1] == 0
 
 
 def test_unknown_damping_is_named():

@@ -92,14 +92,26 @@ def relative_eps(eps: Any, diag: jax.Array) -> jax.Array:
 
 
 def diagonal_root(d: jax.Array, corrections) -> jax.Array:
-    """``sqrt(d_hat)``: its norm pair gives ``sum d_hat`` and ``max d_hat`` (a relative
-    damping's scale) with the grafting norms' reduction."""
-    return jnp.sqrt(d * _factors(corrections)[1])
+    """``sqrt(d_hat)`` for its norm pair, which gives ``sum d_hat`` and ``max d_hat`` (a relative
+    damping's scale) with the grafting norms' reduction; entries below the smallest normal
+    number count as 0.
+
+    Computed as ``d_hat * rsqrt(d_hat)``, not as :func:`adam_direction`'s ``sqrt``: given one
+    ``sqrt`` that both feed, XLA keeps it out of the step's reduction fusion (it does not fuse an
+    expensive operation with two users there) and writes ``sqrt(d_hat)`` to memory, a full-size
+    temporary of 8 B/param of traffic on the XLA path (``tests/test_engine_hlo.py``).
+    """
+    d_hat = d * _factors(corrections)[1]
+    normal = (d_hat >= jnp.finfo(d_hat.dtype).tiny) & (d_hat < jnp.inf)
+    root = d_hat * jax.lax.rsqrt(jnp.where(normal, d_hat, 1))
+    # 0, +inf and NaN are their own square roots.
+    return jnp.where(normal, root, jnp.where(d_hat < jnp.finfo(d_hat.dtype).tiny, 0, d_hat))
 
 
 def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: Hyper) -> jax.Array:
     """``m_hat / (sqrt(d_hat) + graft_eps)``: the direction SONew's is grafted onto."""
-    return (m * _factors(corrections)[0]) / (diagonal_root(d, corrections) + hyper.graft_eps)
+    c1, c2 = _factors(corrections)
+    return (m * c1) / (jnp.sqrt(d * c2) + hyper.graft_eps)
 
 
 def diagonal_step(raw: Raw, corrections, hyper: Hyper) -> Step:
