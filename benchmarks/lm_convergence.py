@@ -179,14 +179,16 @@ def hyperparameters(
     sonew_eps: float | list[float] = DEFAULT_SONEW_EPS,
     sonew_b2: float = B2,
     sonew_damping: str = optim.DEFAULT_DAMPING,
+    sonew_graft_lag: bool = optim.DEFAULT_GRAFT_LAG,
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
-    ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``
-    and its ``damping`` ``sonew_damping``."""
+    ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``,
+    its ``damping`` ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
     hp[CANDIDATE]["damping"] = sonew_damping
+    hp[CANDIDATE]["graft_lag"] = sonew_graft_lag
     return hp
 
 
@@ -315,7 +317,11 @@ class OptimizerRunner:
             total_steps=args.steps,
             end_factor=args.end_factor,
         )
-        hp = hyperparameters(sonew_b2=args.sonew_b2, sonew_damping=args.sonew_damping)[name]
+        hp = hyperparameters(
+            sonew_b2=args.sonew_b2,
+            sonew_damping=args.sonew_damping,
+            sonew_graft_lag=args.sonew_graft_lag,
+        )[name]
         eps = None
         if name == CANDIDATE:  # eps is optimizer state, set per run
             del hp["eps"]
@@ -862,7 +868,9 @@ def build_result(
             "seeds": args.seeds,
             "learning_rates": lrs,
             "layers": args.layers,
-            "hyperparameters": hyperparameters(args.sonew_eps, args.sonew_b2, args.sonew_damping),
+            "hyperparameters": hyperparameters(
+                args.sonew_eps, args.sonew_b2, args.sonew_damping, args.sonew_graft_lag
+            ),
             "jax": jax.__version__,
         },
         "rows": summary_rows(runs, lrs, eps, args.seeds),
@@ -986,6 +994,13 @@ def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def _on_off(text: str) -> bool:
+    """``on`` / ``off`` as a bool."""
+    if text not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return text == "on"
+
+
 def _eps_list(text: str) -> list[float]:
     """``--sonew_eps``: a non-empty comma list of distinct values >= 0."""
     try:
@@ -1091,6 +1106,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=optim.DEFAULT_DAMPING,
         choices=("absolute", "mean", "max"),
         help="SONew's damping: eps as given, or times each tensor's mean / max of diag(H)",
+    )
+    p.add_argument(
+        "--sonew_graft_lag",
+        type=_on_off,
+        default=optim.DEFAULT_GRAFT_LAG,
+        metavar="on|off",
+        help="SONew's graft_lag: scale each step by the previous step's Adam-to-SONew norm "
+        f"ratio (default {'on' if optim.DEFAULT_GRAFT_LAG else 'off'}, the library's)",
     )
     p.add_argument(
         "--sonew_b2",

@@ -5,9 +5,12 @@ markdown and the plot. Plus its pure helpers."""
 import json
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 
 from benchmarks import lm_convergence
+from sonew_pax import optim
 
 ARGV = [
     "--model", "tiny", "--layers", "1", "--batch_size", "2", "--seq_len", "16",
@@ -86,6 +89,20 @@ def test_sonew_damping_flag_reaches_only_sonew():
     hp = lm_convergence.hyperparameters(sonew_damping=args.sonew_damping)
     assert hp["sonew_tridiag"]["damping"] == "mean"
     assert all("damping" not in hp[name] for name in hp if name != "sonew_tridiag")
+
+
+@pytest.mark.parametrize("flag", ["on", "off"])
+def test_sonew_graft_lag_flag_reaches_sonew_and_builds(flag):
+    args = lm_convergence.parse_args(["--sonew_graft_lag", flag])
+    hp = lm_convergence.hyperparameters(sonew_graft_lag=args.sonew_graft_lag)["sonew_tridiag"]
+    assert hp["graft_lag"] is (flag == "on")
+    tx = lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)
+    sonew_state = lambda x: isinstance(x, optim.ScaleBySONewDampedState)  # noqa: E731
+    leaves = jax.tree.leaves(tx.init({"w": jnp.zeros((4, 3))}), is_leaf=sonew_state)
+    (state,) = filter(sonew_state, leaves)
+    assert (state.ratio is not None) is (flag == "on")  # graft_lag's ratios
+    with pytest.raises(SystemExit):
+        lm_convergence.parse_args(["--sonew_graft_lag", "yes"])
 
 
 def test_adam_decay_rate_is_bias_corrected_ema():

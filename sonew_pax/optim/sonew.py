@@ -69,6 +69,7 @@ DAMPINGS = ("absolute", "mean", "max")
 # such edges are dropped rather than trusted.
 DEFAULT_EPS = 0.1
 DEFAULT_DAMPING = "mean"
+DEFAULT_GRAFT_LAG = False
 DEFAULT_GAMMA = 1e-4
 
 
@@ -199,7 +200,7 @@ def scale_by_sonew(
     mu_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "auto",
-    graft_lag: bool = False,
+    graft_lag: bool = DEFAULT_GRAFT_LAG,
     kernel_config: KernelConfig = pallas.DEFAULT,
     damping: str = DEFAULT_DAMPING,
 ) -> optax.GradientTransformationExtraArgs:
@@ -408,7 +409,7 @@ def sonew(
     mu_dtype: Any = None,
     offdiag_dtype: Any = None,
     implementation: str = "auto",
-    graft_lag: bool = False,
+    graft_lag: bool = DEFAULT_GRAFT_LAG,
     kernel_config: KernelConfig = pallas.DEFAULT,
     damping: str = DEFAULT_DAMPING,
 ) -> GradientTransformationWithApply:
