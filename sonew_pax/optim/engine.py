@@ -87,20 +87,25 @@ def _tridiagonal_step(
 ) -> Step:
     """Band 1 on XLA, on a whole tensor or a shard's block: :mod:`pointwise` on the chain shifts
     by one, the rows beyond the block from its ``edge`` (exchanged with those of every other
-    tensor, ``_edges``), which holds the *new* moments (:func:`_xla_edge_inputs`).
+    tensor, ``_edges``), which holds the gradient and the *old* state, as the kernels' edges do:
+    the step computes the boundary rows' new moments from them.
 
     Two passes over the tensor, split by ``_materialized``: the new state ``(m, d, e)``, where
     every element reads only its own old values (and ``g`` at ``j + 1``), so XLA writes it in
     place; then ``u`` and the grafting norms from the new state at ``j - 1 .. j + 1``. Left to
     itself, XLA fuses the state's update into the consumers of its shifts, recomputing it per
     neighbour and copying each old array that a fusion reads at an offset after it is
-    overwritten."""
+    overwritten. The edges read nothing that the first pass writes, so ``m``, ``d`` and ``e``
+    are one fusion (edges of the new moments would order ``e``'s update after ``m`` and ``d``'s:
+    two fusions, and ``g`` read twice)."""
     pre, post = _edge_rows(edge, 1, raw.g.shape)
     # The edges hold old boundary rows of the state: the new state (written in place) waits
     # for both, not only for ``post``, which it reads.
     pre, post = _materialized((pre, post))
     g_after = _successors(raw.g, post[0, 0])
     m, d = pointwise.moments(raw, hyper)
+    # The boundary rows' new moments, from their old ones.
+    pre_md, post_md = (pointwise.moments(Raw(*x[:3, 0]), hyper) for x in (pre, post))
     # The new e in the tensor's own layout, stored as (1, *shape): a TPU's compile moves fewer
     # bytes than for the stored layout (benchmarks/tpu_compile.py), and a GPU's still writes it
     # in place (no copy; benchmarks/update_speed.py's XLA rows).
@@ -110,11 +115,11 @@ def _tridiagonal_step(
     e_pre = pointwise.edge_statistic(pre[3, 0], pre[0, 0], raw.g[0], hyper)
     here = [raw.g, m, d]
     after = [g_after] + [
-        jnp.concatenate([x[1:], y[None]]) for x, y in zip((m, d), post[1:3, 0], strict=True)
+        jnp.concatenate([x[1:], y[None]]) for x, y in zip((m, d), post_md, strict=True)
     ]
     before = [
         jnp.concatenate([y[None], x[:-1]])
-        for x, y in zip([*here, e_here], (pre[0, 0], *pre[1:3, 0], e_pre), strict=True)
+        for x, y in zip([*here, e_here], (pre[0, 0], *pre_md, e_pre), strict=True)
     ]
     v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before[:3], here, after)]
     u = pointwise.tridiagonal_direction(*v, e_here, before[3], corrections, hyper)
@@ -438,15 +443,12 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     the same way travel together: one collective-permute per mesh axes, direction and round
     (``chain.run``), whatever the number of tensors."""
     grads, m, d, e, layouts = leaves
-    m, d = list(m), list(d)
     groups: dict[tuple, list[int]] = {}
     for k, (ei, lay) in enumerate(zip(e, layouts, strict=True)):
         band = _band(ei)
         if band == 0 or not _has_chain(lay, hyper):
             continue
         kernel = _on_any_kernel(kernels, lay, band, hyper)
-        if band == 1 and not kernel:
-            m[k], d[k] = _xla_edge_inputs(grads[k], m[k], d[k], hyper)
         if kernel or band == 1 or _extends(grads[k], lay, band):
             groups.setdefault((lay, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
     programs = [
@@ -465,13 +467,6 @@ def _extends(g: jax.Array, layout: ChainLayout, band: int) -> bool:
     (:func:`_on_extended_block`): sharded, with at least as many rows as one hop of the halo
     (``chain.edges_of``); thinner shards shift through ``chain.shift``'s exchanges."""
     return band >= 2 and bool(layout.mesh_axes) and g.shape[0] >= max(halo_width(band))
-
-
-def _xla_edge_inputs(g: jax.Array, m: jax.Array, d: jax.Array, hyper: Hyper) -> tuple:
-    """The ``m`` and ``d`` whose edges the XLA band-1 step takes: the new moments (the step
-    computes them again, and XLA computes them once), so that no edge reads an old ``m`` or ``d``
-    that the step overwrites in place."""
-    return pointwise.moments(_raw(g, m, d), hyper)
 
 
 # Tensors whose norm pairs one reduction merges (over their stacked pairs). The results, graft_lag's

@@ -211,7 +211,7 @@ def tridiagonal_step(
     from the raw neighbours instead of read from materialised ``S``, ``L``, ``D`` arrays.
     ``e_at`` and ``e_before`` are the stored statistics of edges ``(j, j+1)`` and ``(j-1, j)``
     (zero past the chain's ends, as every neighbour value is). (The tile kernel's form; the XLA
-    path shifts the new moments instead, ``sonew._banded_step``.)
+    path shifts the new moments instead, ``engine._tridiagonal_step``.)
     """
     v = {k: vertex(r, corrections, hyper) for k, r in at.items()}
     e_next = edge_statistic(e_at, v[0].g, v[1].g, hyper)
