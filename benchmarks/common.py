@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import os
 import re
 import statistics
@@ -14,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 
@@ -382,6 +383,98 @@ def launch_counts(hlo_text: str) -> dict[str, int]:
     }
     counts["kernels"] = sum(counts.values())
     return counts
+
+
+_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+_ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%\S+) = (.+?) ([a-z-]+)\(([^)]*)\)(.*)$")
+# Instructions that launch nothing and move no data of their own.
+_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
+
+
+class _Instruction(NamedTuple):
+    """One HLO instruction: its name, result type, opcode, operand names, the text between its
+    parentheses (a parameter's number) and the computation it calls (a fusion's)."""
+
+    name: str
+    type: str
+    opcode: str
+    operands: list[str]
+    args: str
+    calls: str | None
+
+
+def _type_bytes(text: str) -> int:
+    """Bytes of the arrays in an HLO type (a tuple's: all its elements')."""
+    return sum(
+        _ITEM_BYTES.get(dtype, 4) * math.prod(int(n) for n in dims.split(",") if n)
+        for dtype, dims in _ARRAY.findall(text)
+    )
+
+
+def _computations(hlo_text: str) -> dict[str, list[_Instruction]]:
+    """Each computation's instructions by computation name (the entry's as ``"ENTRY"``)."""
+    out: dict[str, list[_Instruction]] = {}
+    body = None
+    for line in hlo_text.splitlines():
+        header = re.match(r"^(ENTRY )?(%\S+) .*\{$", line)
+        if header:
+            body = out.setdefault("ENTRY" if header[1] else header[2], [])
+            continue
+        found = _INSTRUCTION.match(line)
+        if found and body is not None:
+            name, kind, opcode, operands, rest = found.groups()
+            calls = re.search(r"calls=(%[^\s,]+)", rest)
+            names = re.findall(r"%[^\s,)]+", operands)
+            body.append(_Instruction(name, kind, opcode, names, operands, calls and calls[1]))
+    return out
+
+
+def _sliced_reads(fused: list[_Instruction]) -> list[int | None]:
+    """Per parameter of a fused computation, in order, the bytes it reads where every use is a
+    slice (of the parameter, or of a bitcast of it): the slices' sizes; ``None`` where some use
+    reads it whole."""
+    users: dict[str, list[_Instruction]] = {}
+    for x in fused:
+        for operand in x.operands:
+            users.setdefault(operand, []).append(x)
+
+    def sliced(name: str) -> int | None:
+        total = 0
+        for user in users.get(name, []):
+            if user.opcode in ("slice", "dynamic-slice"):
+                total += _type_bytes(user.type)
+            elif user.opcode == "bitcast" and (inner := sliced(user.name)) is not None:
+                total += inner
+            else:
+                return None
+        return total
+
+    parameters = sorted((int(x.args), x.name) for x in fused if x.opcode == "parameter")
+    return [sliced(name) for _, name in parameters]
+
+
+def hlo_traffic(hlo_text: str) -> int:
+    """An estimate of the bytes a compiled program's launches move through device memory: per
+    fusion, custom call (such as a Pallas kernel) or other data-moving instruction of the entry
+    computation, its outputs and its operands, except that a fusion's operand read only through
+    slices counts the slices (a few rows of an edge, not the whole array). A custom call counts
+    all its operands, which bounds what a kernel reads from above. Caches, and operands read at
+    several offsets, are not modelled: a count of the design's passes, for comparing designs
+    without a device."""
+    computations = _computations(hlo_text)
+    types = {x.name: x.type for body in computations.values() for x in body}
+    total = 0
+    for x in computations.get("ENTRY", []):
+        if x.opcode in _FREE:
+            continue
+        reads = _sliced_reads(computations.get(x.calls, [])) if x.opcode == "fusion" else []
+        total += _type_bytes(x.type)
+        for k, operand in enumerate(x.operands):
+            read = reads[k] if k < len(reads) else None
+            total += _type_bytes(types.get(operand, "")) if read is None else read
+    return total
 
 
 def pyplot(hint: str = ""):

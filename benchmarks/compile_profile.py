@@ -18,7 +18,13 @@ the profiler, and sums the host's trace events of XLA's GPU compiler by name:
   full LM set) records past it, so its last phases (code generation) go missing: then this
   column holds them;
 * ``fusions`` and ``custom_calls`` (the Pallas kernels' launches; ``lowering.py`` counts the
-  distinct Triton programs among them, each lowered and compiled once).
+  distinct Triton programs among them, each lowered and compiled once);
+* ``hlo_bytes_per_param``: the bytes the compiled update's launches read and write per parameter
+  (``common.hlo_traffic``: each launch's operands and outputs, an operand read through slices
+  counting the slices), AdamW's 28: the design's passes and temporaries, which bound an
+  update's device time (memory-bound) before any GPU runs it. ``None`` for programs with custom
+  calls: what a Pallas kernel reads of an operand (a few halo rows, or all of it) is not in the
+  HLO.
 
 ``--gpu_target_config`` compiles for a GPU described by a ``GpuTargetConfigProto`` in text form
 (what ``XLA_FLAGS=--xla_dump_to=DIR`` writes as ``*.gpu_target_config.pbtxt`` on a GPU machine;
@@ -61,6 +67,7 @@ COLUMNS = (
     "unattributed_s",
     "fusions",
     "custom_calls",
+    "hlo_bytes_per_param",
 )
 
 
@@ -116,6 +123,11 @@ def profile_update(name: str, shapes, device) -> dict:
         "unattributed_s": seconds - attributed,
         "fusions": counts["fusions"],
         "custom_calls": counts["custom_calls"],
+        "hlo_bytes_per_param": (
+            None
+            if counts["custom_calls"]
+            else common.hlo_traffic(compiled.as_text()) / lm_shapes.count(shapes)
+        ),
     }
 
 

@@ -383,6 +383,41 @@ def test_compile_profile_schema(tmp_path):
     assert rows["adamw"]["compile_ratio_vs_adamw"] == 1.0
 
 
+def test_hlo_traffic_counts_each_launchs_operands_and_outputs():
+    """Against the arrays each compiled launch must touch: a fusion of two (64, 64) inputs into
+    one output moves three arrays; a fusion reading two rows of its input moves those rows (and
+    writes as many); bitcasts, tuples and parameters move nothing."""
+    f32 = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+    whole = jax.jit(lambda a, b: a * 2 + b).lower(f32, f32).compile().as_text()
+    assert common.hlo_traffic(whole) == 3 * 64 * 64 * 4
+    rows = jax.jit(lambda a, b: a[:2] * b[:2] + 1).lower(f32, f32).compile().as_text()
+    assert common.hlo_traffic(rows) == 3 * 2 * 64 * 4
+    text = """HloModule m
+
+%fused (param_0.1: f32[8,4], param_1.1: f32[8,4]) -> f32[1,4] {
+  %param_0.1 = f32[8,4]{1,0} parameter(0)
+  %param_1.1 = f32[8,4]{1,0} parameter(1)
+  %bitcast.1 = f32[32]{0} bitcast(%param_1.1)
+  %slice.1 = f32[4]{0} slice(%bitcast.1), slice={[0:4]}
+  %slice.2 = f32[1,4]{1,0} slice(%param_0.1), slice={[7:8], [0:4]}
+  %bitcast.2 = f32[1,4]{1,0} bitcast(%slice.1)
+  ROOT %add.1 = f32[1,4]{1,0} add(%slice.2, %bitcast.2)
+}
+
+ENTRY %main (a: f32[8,4], b: bf16[8,4]) -> (f32[1,4], bf16[8,4]) {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = bf16[8,4]{1,0} parameter(1)
+  %bitcast.3 = f32[8,4]{1,0} bitcast(%a)
+  %fusion = f32[1,4]{1,0} fusion(%a, %bitcast.3), kind=kLoop, calls=%fused
+  %custom-call = bf16[8,4]{1,0} custom-call(%b, %fusion), custom_call_target="k"
+  ROOT %tuple = (f32[1,4]{1,0}, bf16[8,4]{1,0}) tuple(%fusion, %custom-call)
+}
+"""
+    # The fusion: two 4-element slices read, 4 elements written; the custom call: b (64 B) and
+    # the fusion's output (16 B) read, 64 B written.
+    assert common.hlo_traffic(text) == (4 + 4 + 4) * 4 + 64 + 16 + 64
+
+
 def test_compile_profile_sums_the_phases_events():
     trace = {
         "traceEvents": [
