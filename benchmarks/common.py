@@ -3,11 +3,11 @@ child processes and plots."""
 
 import argparse
 import ast
+import collections
 import dataclasses
 import datetime
 import functools
 import json
-import math
 import os
 import re
 import statistics
@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -385,74 +385,83 @@ def launch_counts(hlo_text: str) -> dict[str, int]:
     return counts
 
 
-_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-_ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_ARRAY = re.compile(r"\b([a-z]+[0-9]*)\[([0-9,]*)\]")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%\S+) = (.+?) ([a-z-]+)\(([^)]*)\)(.*)$")
+# Reading compiled HLO text (``compile_profile.py``'s and ``tpu_compile.py``'s byte counts).
+HLO_ITEM_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+HLO_ITEM_BYTES |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+HLO_ARRAY = re.compile(r"\b(" + "|".join(HLO_ITEM_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_HLO_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*)$")
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.MULTILINE)
+
+
+def hlo_arrays(text: str) -> list[tuple[int, int]]:
+    """``(bytes, memory space)`` of every array in an HLO shape's ``text`` (a tuple's in order);
+    the memory space is the layout's ``S(n)`` (a TPU's VMEM is 1), 0 (device memory) without
+    one."""
+    found = []
+    for dtype, dims, layout in HLO_ARRAY.findall(text):
+        size = HLO_ITEM_BYTES[dtype]
+        for dim in filter(None, dims.split(",")):
+            size *= int(dim)
+        space = re.search(r"S\((\d+)\)", layout)
+        found.append((size, int(space.group(1)) if space else 0))
+    return found
+
+
+def hlo_computations(text: str) -> dict[str, list[str]]:
+    """A module's computations by name: their instruction lines."""
+    starts = [(m.start(), m.group(1)) for m in _HLO_COMPUTATION.finditer(text)]
+    ends = [s for s, _ in starts[1:]] + [len(text)]
+    return {name: text[s:e].splitlines()[1:] for (s, name), e in zip(starts, ends, strict=True)}
+
+
+def hlo_entry(text: str) -> str:
+    """The name of a module's entry computation."""
+    return re.search(r"^ENTRY %([\w.\-]+) ", text, re.MULTILINE).group(1)
+
+
+def hlo_instructions(lines: list[str]) -> list[tuple[str, str, str, list[str], str]]:
+    """``(name, shape, opcode, operands, line)`` of each instruction line."""
+    found = []
+    for line in lines:
+        match = _HLO_INSTRUCTION.match(line)
+        if match:
+            name, shape, opcode, rest = match.groups()
+            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+            found.append((name, shape, opcode, operands, line))
+    return found
+
+
 # Instructions that launch nothing and move no data of their own.
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
+_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
 
 
-class _Instruction(NamedTuple):
-    """One HLO instruction: its name, result type, opcode, operand names, the text between its
-    parentheses (a parameter's number) and the computation it calls (a fusion's)."""
-
-    name: str
-    type: str
-    opcode: str
-    operands: list[str]
-    args: str
-    calls: str | None
-
-
-def _type_bytes(text: str) -> int:
-    """Bytes of the arrays in an HLO type (a tuple's: all its elements')."""
-    return sum(
-        _ITEM_BYTES.get(dtype, 4) * math.prod(int(n) for n in dims.split(",") if n)
-        for dtype, dims in _ARRAY.findall(text)
-    )
-
-
-def _computations(hlo_text: str) -> dict[str, list[_Instruction]]:
-    """Each computation's instructions by computation name (the entry's as ``"ENTRY"``)."""
-    out: dict[str, list[_Instruction]] = {}
-    body = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(ENTRY )?(%\S+) .*\{$", line)
-        if header:
-            body = out.setdefault("ENTRY" if header[1] else header[2], [])
-            continue
-        found = _INSTRUCTION.match(line)
-        if found and body is not None:
-            name, kind, opcode, operands, rest = found.groups()
-            calls = re.search(r"calls=(%[^\s,]+)", rest)
-            names = re.findall(r"%[^\s,)]+", operands)
-            body.append(_Instruction(name, kind, opcode, names, operands, calls and calls[1]))
-    return out
-
-
-def _sliced_reads(fused: list[_Instruction]) -> list[int | None]:
-    """Per parameter of a fused computation, in order, the bytes it reads where every use is a
-    slice (of the parameter, or of a bitcast of it): the slices' sizes; ``None`` where some use
-    reads it whole."""
-    users: dict[str, list[_Instruction]] = {}
-    for x in fused:
-        for operand in x.operands:
-            users.setdefault(operand, []).append(x)
+def hlo_sliced_reads(fused: list[tuple], through_bitcasts: bool = True) -> dict[int, int]:
+    """For a fused computation (its :func:`hlo_instructions`): the bytes it reads of each
+    parameter that only slices use (the slices' sizes), directly or, ``through_bitcasts``, also
+    through bitcasts of it; parameters read whole are absent."""
+    users = collections.defaultdict(list)
+    for name, shape, opcode, operands, _ in fused:
+        for operand in operands:
+            users[operand].append((name, shape, opcode))
 
     def sliced(name: str) -> int | None:
         total = 0
-        for user in users.get(name, []):
-            if user.opcode in ("slice", "dynamic-slice"):
-                total += _type_bytes(user.type)
-            elif user.opcode == "bitcast" and (inner := sliced(user.name)) is not None:
+        for user, shape, opcode in users[name]:
+            if opcode in ("slice", "dynamic-slice"):
+                total += sum(b for b, _ in hlo_arrays(shape))
+            elif through_bitcasts and opcode == "bitcast" and (inner := sliced(user)) is not None:
                 total += inner
             else:
                 return None
         return total
 
-    parameters = sorted((int(x.args), x.name) for x in fused if x.opcode == "parameter")
-    return [sliced(name) for _, name in parameters]
+    params = {
+        name: int(re.search(r"parameter\((\d+)\)", line).group(1))
+        for name, _, opcode, _, line in fused
+        if opcode == "parameter"
+    }
+    reads = {params[name]: sliced(name) for name in params}
+    return {k: read for k, read in reads.items() if read is not None}
 
 
 def hlo_traffic(hlo_text: str) -> int:
@@ -462,18 +471,21 @@ def hlo_traffic(hlo_text: str) -> int:
     slices counts the slices (a few rows of an edge, not the whole array). A custom call counts
     all its operands, which bounds what a kernel reads from above. Caches, and operands read at
     several offsets, are not modelled: a count of the design's passes, for comparing designs
-    without a device."""
-    computations = _computations(hlo_text)
-    types = {x.name: x.type for body in computations.values() for x in body}
+    without a device. (``tpu_compile.hbm_bytes`` is a TPU's: it keeps VMEM out and caps a
+    fusion's reads by its results' size.)"""
+    computations = hlo_computations(hlo_text)
+    sizes: dict[str, int] = {}
     total = 0
-    for x in computations.get("ENTRY", []):
-        if x.opcode in _FREE:
+    for name, shape, opcode, operands, line in hlo_instructions(computations[hlo_entry(hlo_text)]):
+        sizes[name] = sum(b for b, _ in hlo_arrays(shape))
+        if opcode in _NO_TRAFFIC:
             continue
-        reads = _sliced_reads(computations.get(x.calls, [])) if x.opcode == "fusion" else []
-        total += _type_bytes(x.type)
-        for k, operand in enumerate(x.operands):
-            read = reads[k] if k < len(reads) else None
-            total += _type_bytes(types.get(operand, "")) if read is None else read
+        reads = {}
+        if opcode == "fusion":
+            called = re.search(r"calls=%([\w.\-]+)", line).group(1)
+            reads = hlo_sliced_reads(hlo_instructions(computations[called]))
+        total += sizes[name]
+        total += sum(reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands))
     return total
 
 

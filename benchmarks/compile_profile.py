@@ -114,7 +114,8 @@ def profile_update(name: str, shapes, device) -> dict:
             compiled = lowered.compile()
             seconds = time.perf_counter() - start
         phases = phase_seconds(device_trace.read_trace(Path(tmp)))
-    counts = common.launch_counts(compiled.as_text())
+    text = compiled.as_text()
+    counts = common.launch_counts(text)
     attributed = phases["hlo_passes_s"] + phases["codegen_s"] + phases["autotune_s"]
     return {
         "optimizer": name,
@@ -124,9 +125,7 @@ def profile_update(name: str, shapes, device) -> dict:
         "fusions": counts["fusions"],
         "custom_calls": counts["custom_calls"],
         "hlo_bytes_per_param": (
-            None
-            if counts["custom_calls"]
-            else common.hlo_traffic(compiled.as_text()) / lm_shapes.count(shapes)
+            None if counts["custom_calls"] else common.hlo_traffic(text) / lm_shapes.count(shapes)
         ),
     }
 

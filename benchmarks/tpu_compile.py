@@ -36,81 +36,27 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from benchmarks import common, lm_shapes, updates
 
 COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies", "compile_s")
-_ITEM = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-_ITEM |= {"f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_ARRAY = re.compile(r"\b(" + "|".join(_ITEM) + r")\[([0-9,]*)\](\{[^}]*\})?")
-_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([a-z][a-z\-]*)\((.*)$")
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) ", re.MULTILINE)
 # Instructions that move no data of their own (aliases, views, bookkeeping): the async slice's and
 # copy's second halves are counted at their starts (reads) and ends (writes).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
 _FREE |= {"slice-done", "opt-barrier", "partition-id", "replica-id"}
 
 
-def arrays(text: str) -> list[tuple[int, int]]:
-    """``(bytes, memory space)`` of every array in an HLO shape's ``text`` (a tuple's in order);
-    the memory space is the layout's ``S(n)``, 0 (HBM) without one."""
-    found = []
-    for dtype, dims, layout in _ARRAY.findall(text):
-        size = _ITEM[dtype]
-        for dim in filter(None, dims.split(",")):
-            size *= int(dim)
-        space = re.search(r"S\((\d+)\)", layout)
-        found.append((size, int(space.group(1)) if space else 0))
-    return found
-
-
-def _computations(text: str) -> dict[str, list[str]]:
-    """The module's computations by name: their instruction lines."""
-    starts = [(m.start(), m.group(1)) for m in _COMPUTATION.finditer(text)]
-    ends = [s for s, _ in starts[1:]] + [len(text)]
-    return {name: text[s:e].splitlines()[1:] for (s, name), e in zip(starts, ends, strict=True)}
-
-
-def _parsed(lines: list[str]) -> list[tuple[str, str, str, list[str], str]]:
-    """``(name, shape, opcode, operands, line)`` of each instruction line."""
-    found = []
-    for line in lines:
-        match = _INSTRUCTION.match(line)
-        if match:
-            name, shape, opcode, rest = match.groups()
-            operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-            found.append((name, shape, opcode, operands, line))
-    return found
-
-
 def _elements(text: str) -> int:
     """The most elements of any array in an HLO shape's ``text``."""
     return max(
-        (math.prod(int(d) for d in dims.split(",") if d) for _, dims, _ in _ARRAY.findall(text)),
+        (
+            math.prod(int(d) for d in dims.split(",") if d)
+            for _, dims, _ in common.HLO_ARRAY.findall(text)
+        ),
         default=1,
     )
 
 
 def _reduces(instructions: list) -> bool:
-    """Whether a fused computation (its :func:`_parsed` instructions) reduces (then it reads its
+    """Whether a fused computation (its :func:`common.hlo_instructions`) reduces (then it reads its
     operands whole, whatever its results' size)."""
     return any(opcode.startswith("reduce") for _, _, opcode, _, _ in instructions)
-
-
-def _sliced_reads(instructions: list) -> dict[int, int]:
-    """For a fused computation (its :func:`_parsed` instructions): the bytes it reads of each
-    parameter that only slices use (the slices' sizes, not the operand's); parameters read whole
-    are absent."""
-    params = {}
-    for name, _, opcode, _, line in instructions:
-        if opcode == "parameter":
-            params[name] = int(re.search(r"parameter\((\d+)\)", line).group(1))
-    users = collections.defaultdict(list)
-    for _, shape, opcode, operands, _ in instructions:
-        for operand in operands:
-            if operand in params:
-                users[operand].append((opcode, sum(b for b, _ in arrays(shape))))
-    return {
-        params[name]: sum(size for _, size in uses)
-        for name, uses in users.items()
-        if all(opcode in ("slice", "dynamic-slice") for opcode, _ in uses)
-    }
 
 
 def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
@@ -118,13 +64,13 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
     opcode: each instruction's operands and results in memory space 0, an operand that its
     fusion only slices counted at the slices' size (a slice's at what it keeps,
     :func:`_slice_read`), an async copy's or slice's read at its start and its write at its end."""
-    computations = _computations(text)
-    entry = re.search(r"^ENTRY %([\w.\-]+) ", text, re.MULTILINE).group(1)
+    computations = common.hlo_computations(text)
+    entry = common.hlo_entry(text)
     shapes: dict[str, list[tuple[int, int]]] = {}
     texts: dict[str, str] = {}
     by_opcode: collections.Counter = collections.Counter()
-    for name, shape, opcode, operands, line in _parsed(computations[entry]):
-        results = shapes[name] = arrays(shape)
+    for name, shape, opcode, operands, line in common.hlo_instructions(computations[entry]):
+        results = shapes[name] = common.hlo_arrays(shape)
         texts[name] = shape
         if opcode in _FREE:
             continue
@@ -158,11 +104,11 @@ def _slice_read(line: str, results: list[tuple[int, int]]) -> int:
 
 def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -> list[int]:
     """A fusion's HBM reads per operand (``reads``: each operand's whole size in HBM), at most the
-    slices it takes (:func:`_sliced_reads`) and, where it does not reduce, at most one element
-    per result element (it computes only its results' elements: a fused slice reads only what
-    it keeps)."""
-    body = _parsed(computations[re.search(r"calls=%([\w.\-]+)", line).group(1)])
-    sliced = _sliced_reads(body)
+    slices it takes (:func:`common.hlo_sliced_reads`, not through bitcasts) and, where it does
+    not reduce, at most one element per result element (it computes only its results' elements:
+    a fused slice reads only what it keeps)."""
+    body = common.hlo_instructions(computations[re.search(r"calls=%([\w.\-]+)", line).group(1)])
+    sliced = common.hlo_sliced_reads(body, through_bitcasts=False)
     reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
     if _reduces(body):
         return reads
@@ -170,7 +116,10 @@ def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -
     capped = []
     for operand, read in zip(operands, reads, strict=True):
         text = texts.get(operand, "")
-        item = max((_ITEM[dtype] for dtype, _, _ in _ARRAY.findall(text)), default=0)
+        item = max(
+            (common.HLO_ITEM_BYTES[dtype] for dtype, _, _ in common.HLO_ARRAY.findall(text)),
+            default=0,
+        )
         capped.append(min(read, item * elements))
     return capped
 

@@ -649,4 +649,4 @@ def test_tpu_compile_counts_what_the_schedule_moves_through_hbm():
         "slice": page // 2 + page,
     }
     assert total == sum(by_opcode.values())
-    assert tpu_compile.arrays("(f32[2,3]{1,0:T(2,128)S(1)}, bf16[4]{0})") == [(24, 1), (8, 0)]
+    assert common.hlo_arrays("(f32[2,3]{1,0:T(2,128)S(1)}, bf16[4]{0})") == [(24, 1), (8, 0)]
