@@ -99,13 +99,15 @@ def diagonal_root(d: jax.Array, corrections) -> jax.Array:
     Computed as ``d_hat * rsqrt(d_hat)``, not as :func:`adam_direction`'s ``sqrt``: given one
     ``sqrt`` that both feed, XLA keeps it out of the step's reduction fusion (it does not fuse an
     expensive operation with two users there) and writes ``sqrt(d_hat)`` to memory, a full-size
-    temporary of 8 B/param of traffic on the XLA path (``tests/test_engine_hlo.py``).
+    temporary of 8 B/param of traffic on the XLA path (``benchmarks/compile_profile.py``'s
+    ``hlo_bytes_per_param``).
     """
     d_hat = d * _factors(corrections)[1]
-    normal = (d_hat >= jnp.finfo(d_hat.dtype).tiny) & (d_hat < jnp.inf)
+    small = d_hat < jnp.finfo(d_hat.dtype).tiny
+    normal = ~small & (d_hat < jnp.inf)
     root = d_hat * jax.lax.rsqrt(jnp.where(normal, d_hat, 1))
     # 0, +inf and NaN are their own square roots.
-    return jnp.where(normal, root, jnp.where(d_hat < jnp.finfo(d_hat.dtype).tiny, 0, d_hat))
+    return jnp.where(normal, root, jnp.where(small, 0, d_hat))
 
 
 def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: Hyper) -> jax.Array:
