@@ -431,8 +431,13 @@ def hlo_instructions(lines: list[str]) -> list[tuple[str, str, str, list[str], s
     return found
 
 
+def hlo_fused(computations: dict[str, list[str]], line: str) -> list[tuple]:
+    """The :func:`hlo_instructions` of the computation a fusion's ``line`` calls."""
+    return hlo_instructions(computations[re.search(r"calls=%([\w.\-]+)", line).group(1)])
+
+
 # Instructions that launch nothing and move no data of their own.
-_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
+HLO_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
 
 
 def hlo_sliced_reads(fused: list[tuple], through_bitcasts: bool = True) -> dict[int, int]:
@@ -478,12 +483,11 @@ def hlo_traffic(hlo_text: str) -> int:
     total = 0
     for name, shape, opcode, operands, line in hlo_instructions(computations[hlo_entry(hlo_text)]):
         sizes[name] = sum(b for b, _ in hlo_arrays(shape))
-        if opcode in _NO_TRAFFIC:
+        if opcode in HLO_NO_TRAFFIC:
             continue
         reads = {}
         if opcode == "fusion":
-            called = re.search(r"calls=%([\w.\-]+)", line).group(1)
-            reads = hlo_sliced_reads(hlo_instructions(computations[called]))
+            reads = hlo_sliced_reads(hlo_fused(computations, line))
         total += sizes[name]
         total += sum(reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands))
     return total

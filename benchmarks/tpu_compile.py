@@ -38,8 +38,7 @@ from benchmarks import common, lm_shapes, updates
 COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies", "compile_s")
 # Instructions that move no data of their own (aliases, views, bookkeeping): the async slice's and
 # copy's second halves are counted at their starts (reads) and ends (writes).
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all"}
-_FREE |= {"slice-done", "opt-barrier", "partition-id", "replica-id"}
+_FREE = common.HLO_NO_TRAFFIC | {"after-all", "slice-done", "partition-id", "replica-id"}
 
 
 def _elements(text: str) -> int:
@@ -107,7 +106,7 @@ def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -
     slices it takes (:func:`common.hlo_sliced_reads`, not through bitcasts) and, where it does
     not reduce, at most one element per result element (it computes only its results' elements:
     a fused slice reads only what it keeps)."""
-    body = common.hlo_instructions(computations[re.search(r"calls=%([\w.\-]+)", line).group(1)])
+    body = common.hlo_fused(computations, line)
     sliced = common.hlo_sliced_reads(body, through_bitcasts=False)
     reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
     if _reduces(body):
