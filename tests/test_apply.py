@@ -224,9 +224,10 @@ def test_transformation_with_apply_is_an_optax_transformation():
 def test_trainer_step_applies_through_the_fused_apply():
     """The trainer's step with SONew's apply (behind make_optimizer's clipping) equals the same
     step through optax's update and apply_updates. Well damped (``eps`` 1e-3) and float32
-    matmuls at full precision: on a GPU the two programs' gradients differ by float32 roundings
-    (TF32 and reduction orders), which the first steps' near-singular windows (two samples: every
-    neighbour correlation near 1) amplify to 1e-3."""
+    matmuls at full precision: the two programs fuse differently, so their gradients differ by
+    float32 roundings (reduction orders; on a GPU also TF32), which the first steps' near-singular
+    windows (two samples: every neighbour correlation near 1) amplify: to about 1e-5 on a CPU,
+    1e-3 on a GPU."""
     config = TransformerConfig(
         vocab_size=64, d_model=32, num_layers=1, num_heads=4, head_dim=8, mlp_dim=48, max_len=16
     )
@@ -247,8 +248,8 @@ def test_trainer_step_applies_through_the_fused_apply():
             for _ in range(3):
                 state, _ = step(state, batch)
         states.append(state)
-    _assert_close(states[1].params, states[0].params, 1e-6)
-    _assert_close(states[1].opt_state, states[0].opt_state, 1e-6)
+    _assert_close(states[1].params, states[0].params, 3e-5)
+    _assert_close(states[1].opt_state, states[0].opt_state, 3e-5)
     assert int(states[0].step) == 3
 
 
