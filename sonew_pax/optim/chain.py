@@ -34,16 +34,31 @@ class ChainLayout(NamedTuple):
       shape: the tensor's global shape.
       axes: for every dimension, the mesh axes it is sharded over (``()`` when unsharded).
       shards: for every dimension, the number of shards (product of the sizes of ``axes``).
+      stack: how many leading dimensions index tensors stacked together (the layer axis of flax's
+        ``nn.scan``): each index of them is a tensor with a chain of its own, of shape
+        ``shape[stack:]`` (:attr:`layer`). Never sharded.
     """
 
     shape: tuple[int, ...]
     axes: tuple[MeshAxes, ...]
     shards: tuple[int, ...]
+    stack: int = 0
 
     @classmethod
-    def unsharded(cls, shape: tuple[int, ...]) -> ChainLayout:
+    def unsharded(cls, shape: tuple[int, ...], stack: int = 0) -> ChainLayout:
         """The layout of a tensor that lives whole on one device."""
-        return cls(tuple(shape), ((),) * len(shape), (1,) * len(shape))
+        return cls(tuple(shape), ((),) * len(shape), (1,) * len(shape), stack)
+
+    @property
+    def layer(self) -> ChainLayout:
+        """The layout of one of the stacked tensors (the tensor itself when nothing is stacked)."""
+        k = self.stack
+        return ChainLayout(self.shape[k:], self.axes[k:], self.shards[k:])
+
+    @property
+    def layers(self) -> int:
+        """How many tensors are stacked (1 when nothing is)."""
+        return math.prod(self.shape[: self.stack])
 
     @property
     def mesh_axes(self) -> MeshAxes:

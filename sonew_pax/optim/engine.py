@@ -13,6 +13,9 @@ per shard) the step runs
   ``edges``, :func:`_on_extended_block`); on a TPU, where the kernels are enabled for it, bands
   1 and wider as Mosaic kernels (``kernels.tpu``) with the same ``edges``.
 
+A parameter that stacks tensors (``ChainLayout.stack``, flax's ``nn.scan``) steps on XLA as one
+vectorized step of its tensors (:func:`_stacked_step`), their edges in its group's exchange.
+
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one
 all-reduce (:func:`_norm_results`).
@@ -290,7 +293,9 @@ def _leaf_steps(
     grads, m, d, e, layouts = leaves
     vector, slots = diag if diag is not None else (None, [None] * len(grads))
     hypers = [
-        _damped(hyper, None if slot is None else vector[slot]) if _has_chain(lay, hyper) else hyper
+        _damped(hyper, None if slot is None else _slot_values(vector, slot, lay, flat=True))
+        if _has_chain(lay, hyper)
+        else hyper
         for slot, lay in zip(slots, layouts, strict=True)
     ]
     steps: list = [None] * len(grads)
@@ -298,6 +303,8 @@ def _leaf_steps(
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
+        elif lay.stack:
+            steps[k] = _stacked_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k])
         else:
             tpu = kernels if _on_tpu_kernel(kernels, lay, _band(ei), hyper) else None
             steps[k] = _leaf_step(
@@ -321,6 +328,52 @@ def _leaf_steps(
             for k, result in zip(part, results, strict=True):
                 steps[k] = result
     return steps
+
+
+def _stacked_step(
+    g: jax.Array,
+    m: jax.Array,
+    d: jax.Array,
+    e: Any,
+    corrections,
+    hyper: Hyper,
+    layout: ChainLayout,
+    edge: pallas.Edges | None,
+) -> tuple:
+    """The step of a tensor whose leading ``layout.stack`` dimensions stack tensors (a layer axis):
+    :func:`_leaf_step` of each of them, vectorized (``jax.vmap``) over those dimensions flattened
+    into one, so the stack is traced and fused once, not once per tensor. Each stacked tensor has
+    its own chain, its own damping (``hyper.eps`` holds one per tensor with a relative damping)
+    and, from :func:`_norm_results`, its own graft ratio: the norm pairs come as ``(layers, pairs,
+    tiles)``. ``edge`` is that of the first stacked tensor; the others' follow it in its buffer
+    (:func:`_edges`)."""
+    n, k, layer = layout.layers, layout.stack, layout.layer
+    band = _band(e)
+    rows = None
+    if edge is not None:
+        before, after = halo_width(band)
+        per = (3 + band) * (before + after) * math.prod(g.shape[k + 1 :])
+        rows = edge.buffer[edge.index * per : (edge.index + n) * per].reshape(n, per)
+    # A relative damping's eps, one per stacked tensor (_leaf_steps), where it has a chain.
+    relative = jnp.ndim(hyper.eps) == 1
+
+    def one(g, m, d, e, rows, eps):
+        here = hyper._replace(eps=eps) if relative else hyper
+        edge = None if rows is None else pallas.Edges(rows, 0)
+        return _leaf_step(g, m, d, e, corrections, here, layer, edge)
+
+    e_in = e if band == 0 else _stack_flat(e, k, lead=1)
+    u, m_new, d_new, e_new, pairs = jax.vmap(
+        one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=(0, 0, 0, 1, 0)
+    )(*(_stack_flat(x, k) for x in (g, m, d)), e_in, rows, hyper.eps if relative else None)
+    e_new = e_new if band == 0 else e_new.reshape(e.shape)
+    return u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
+
+
+def _stack_flat(x: jax.Array, stack: int, lead: int = 0) -> jax.Array:
+    """``x`` with its ``stack`` stacked dimensions (after ``lead`` others) flattened into one: a
+    reshape of leading dimensions, which moves no data."""
+    return x if not stack else x.reshape(*x.shape[:lead], -1, *x.shape[lead + stack :])
 
 
 def _raw(g: jax.Array, m: jax.Array, d: jax.Array) -> Raw:
@@ -351,7 +404,7 @@ def _empty(layout: ChainLayout) -> bool:
 
 def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
     """Whether the tensor's step reads its chain (it is preconditioned and not empty)."""
-    return not _empty(layout) and preconditioned(len(layout.shape), hyper.precondition_1d)
+    return not _empty(layout) and preconditioned(len(layout.layer.shape), hyper.precondition_1d)
 
 
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
@@ -359,6 +412,7 @@ def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyp
     return (
         kernels is not None
         and _platform(kernels) == "gpu"
+        and not layout.stack
         and _has_chain(layout, hyper)
         and pallas.supported(layout, band, kernels)
     )
@@ -379,6 +433,7 @@ def _on_tpu_kernel(
     return (
         kernels is not None
         and _platform(kernels) == "tpu"
+        and not layout.stack
         and _has_chain(layout, hyper)
         and pallas.tpu.block_shape(pallas.local_shape(layout), band, kernels) is not None
     )
@@ -449,10 +504,15 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
         if band == 0 or not _has_chain(lay, hyper):
             continue
         kernel = _on_any_kernel(kernels, lay, band, hyper)
-        if kernel or band == 1 or _extends(grads[k], lay, band):
-            groups.setdefault((lay, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
+        if kernel or band == 1 or _extends(grads[k].shape[lay.stack], lay.layer, band):
+            groups.setdefault((lay.layer, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
     programs = [
-        pallas.kernel_edges(*([x[k] for k in members] for x in (grads, m, d, e)), layout)
+        pallas.kernel_edges(  # a stack's tensors on one axis
+            *([_stack_flat(x[k], layouts[k].stack) for k in members] for x in (grads, m, d)),
+            [_stack_flat(e[k], layouts[k].stack, lead=1) for k in members],
+            layout,
+            [bool(layouts[k].stack) for k in members],
+        )
         for (layout, *_), members in groups.items()
     ]
     edges: list = [None] * len(grads)
@@ -462,11 +522,12 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
     return edges
 
 
-def _extends(g: jax.Array, layout: ChainLayout, band: int) -> bool:
-    """Whether a band >= 2 tensor's XLA step runs on its block extended by its neighbours' rows
-    (:func:`_on_extended_block`): sharded, with at least as many rows as one hop of the halo
-    (``chain.edges_of``); thinner shards shift through ``chain.shift``'s exchanges."""
-    return band >= 2 and bool(layout.mesh_axes) and g.shape[0] >= max(halo_width(band))
+def _extends(rows: int, layout: ChainLayout, band: int) -> bool:
+    """Whether a band >= 2 tensor's XLA step runs on its block (of ``rows`` local rows along its
+    chain's axis 0) extended by its neighbours' rows (:func:`_on_extended_block`): sharded, with
+    at least as many rows as one hop of the halo (``chain.edges_of``); thinner shards shift
+    through ``chain.shift``'s exchanges."""
+    return band >= 2 and bool(layout.mesh_axes) and rows >= max(halo_width(band))
 
 
 # Tensors whose norm pairs one reduction merges (over their stacked pairs). The results, graft_lag's
@@ -478,9 +539,10 @@ def _norm_results(
     parts: list[jax.Array | None], layouts: list, hyper: Hyper
 ) -> tuple[list[jax.Array | None], list[jax.Array | None]]:
     """Each tensor's graft ratio ``||adam|| / ||u||`` (``None`` without grafting) and a relative
-    damping's scale for the next step (:func:`_diag_scales`; ``None`` with the absolute one) from
-    :func:`_leaf_steps`' local norm pairs ``(2 pairs, tiles)`` of the kernels' tiles, or of the XLA
-    step (a tile per row); ``None`` for tensors without pairs.
+    damping's scale for the next step (:func:`_diag_scales`; ``None`` with the absolute one), each
+    of shape ``(layout.layers,)``, from :func:`_leaf_steps`' local norm pairs ``(2 pairs,
+    tiles)`` of the kernels' tiles, or of the XLA step (a tile per row), ``(layers, 2 pairs,
+    tiles)`` for a stack (:func:`_stacked_step`); ``None`` for tensors without pairs.
 
     The pairs are merged over the tiles (``chain.merge_pairs``) for the tensors of one shape
     together (up to ``_GRAFT_GROUP`` at a time, over their stacked pairs): a model's update
@@ -488,15 +550,19 @@ def _norm_results(
     are then merged across their shards, those of every set of mesh axes in one all-reduce
     (``chain.merge_shards``), and the ratios and scales of each set are computed together.
     """
+    # Every tensor's pairs with a leading axis over its stacked tensors (1 when not stacked).
+    parts = [
+        p if p is None or lay.stack else p[None] for p, lay in zip(parts, layouts, strict=True)
+    ]
     groups: dict[tuple, list[int]] = {}
     for k, part in enumerate(parts):
         if part is not None:
-            groups.setdefault((part.shape, layouts[k].mesh_axes), []).append(k)
+            groups.setdefault((part.shape[1:], layouts[k].mesh_axes), []).append(k)
     across: dict[tuple[str, ...], list[tuple[list[int], jax.Array, jax.Array]]] = {}
     for (_, axes), members in groups.items():
         for start in range(0, len(members), _GRAFT_GROUP):
             group = members[start : start + _GRAFT_GROUP]
-            stacked = jnp.stack([parts[k] for k in group])  # (tensors, 2 pairs, tiles)
+            stacked = jnp.concatenate([parts[k] for k in group])  # (tensors, 2 pairs, tiles)
             top, total = merge_pairs(stacked[:, 0::2], stacked[:, 1::2], axis=2)
             across.setdefault(axes, []).append((group, top, total))
     # Every preconditioned tensor has as many pairs (the damping is the update's), so each set's
@@ -513,50 +579,89 @@ def _norm_results(
     for axes, entries in across.items():
         top, total = pairs[axes]
         members = [k for group, _, _ in entries for k in group]
+        counts = [parts[k].shape[0] for k in members]
         norm = top * jnp.sqrt(total)
         ratio = _graft_ratio((norm[:, 0], norm[:, 1])) if hyper.graft == "adam" else None
-        scale = _diag_scales(top, total, [layouts[k] for k in members], hyper)
-        for i, k in enumerate(members):
-            ratios[k] = None if ratio is None else ratio[i]
-            scales[k] = None if scale is None else scale[i]
+        sizes = [
+            math.prod(layouts[k].layer.shape)
+            for k, n in zip(members, counts, strict=True)
+            for _ in range(n)
+        ]
+        scale = _diag_scales(top, total, sizes, hyper)
+        start = 0
+        for k, n in zip(members, counts, strict=True):
+            ratios[k] = None if ratio is None else ratio[start : start + n]
+            scales[k] = None if scale is None else scale[start : start + n]
+            start += n
     return ratios, scales
 
 
-def _diag_scales(top: jax.Array, total: jax.Array, layouts: list, hyper: Hyper) -> Any:
+def _diag_scales(top: jax.Array, total: jax.Array, sizes: list[int], hyper: Hyper) -> Any:
     """A relative damping's scales for the next step (``None`` with the absolute one) from the
-    merged pairs ``(tensors, pairs)``, whose third is ``sqrt(d_hat)``'s: the mean of ``d_hat``
-    (``"mean"``: ``||sqrt(d_hat)||^2 / size``) or its largest entry (``"max"``: the square of
-    the pair's scale)."""
+    merged pairs ``(tensors, pairs)`` of tensors of ``sizes`` elements, whose third is
+    ``sqrt(d_hat)``'s: the mean of ``d_hat`` (``"mean"``: ``||sqrt(d_hat)||^2 / size``) or its
+    largest entry (``"max"``: the square of the pair's scale)."""
     if hyper.damping == "absolute":
         return None
     square = top[:, 2] * top[:, 2]
     if hyper.damping == "max":
         return square
-    sizes = np.array([math.prod(lay.shape) for lay in layouts])
-    return square * total[:, 2] / sizes.astype(square.dtype)
+    return square * total[:, 2] / np.array(sizes).astype(square.dtype)
 
 
-def _slots(layouts: list, hyper: Hyper) -> list[int | None]:
-    """Each tensor's place in a relative damping's statistics (``ScaleBySONewDampedState.diag``):
-    the preconditioned tensors in the tree's order; ``None`` for the others."""
+def _slots(layouts: list, precondition_1d: bool) -> list[int | None]:
+    """Each tensor's first place in the per-tensor numbers the state keeps (graft_lag's ratios, a
+    relative damping's statistics: ``ScaleBySONewDampedState.diag``): the preconditioned tensors
+    in the tree's order, ``layout.layers`` places each (one per stacked tensor); ``None`` for the
+    others."""
     slots, count = [], 0
     for lay in layouts:
-        if preconditioned(len(lay.shape), hyper.precondition_1d):
+        if preconditioned(len(lay.layer.shape), precondition_1d):
             slots.append(count)
-            count += 1
+            count += lay.layers
         else:
             slots.append(None)
     return slots
 
 
-def _gathered(fresh: list, vector: jax.Array, slots: list) -> jax.Array:
+def slot_count(layouts: list[ChainLayout], precondition_1d: bool) -> int:
+    """How many per-tensor numbers the state keeps for tensors of ``layouts`` (:func:`_slots`)."""
+    return sum(
+        lay.layers for lay in layouts if preconditioned(len(lay.layer.shape), precondition_1d)
+    )
+
+
+def _slot_values(
+    vector: jax.Array, slot: int, layout: ChainLayout, flat: bool = False
+) -> jax.Array:
+    """A tensor's numbers in ``vector`` (:func:`_slots`): a scalar, or for a stack one per stacked
+    tensor, shaped to scale the stack (``flat``: as a vector)."""
+    return _per_tensor(vector[slot : slot + layout.layers], layout, flat)
+
+
+def _per_tensor(values: jax.Array, layout: ChainLayout, flat: bool = False) -> jax.Array:
+    """``values``, one per stacked tensor of ``layout``: a scalar when nothing is stacked, else
+    ``(layers,)`` (``flat``) or shaped to broadcast over the stack."""
+    if not layout.stack:
+        return values.reshape(())
+    return (
+        values
+        if flat
+        else values.reshape(layout.shape[: layout.stack] + (1,) * len(layout.layer.shape))
+    )
+
+
+def _gathered(fresh: list, vector: jax.Array, slots: list, layouts: list) -> jax.Array:
     """The per-tensor numbers the state keeps (graft_lag's ratios, a relative damping's
-    statistics): each slot's tensor's new one (``fresh``, per tensor), its old one where it has
-    none (an empty tensor), in one array: XLA writes it in one kernel, where a scalar per tensor
-    took a launch each."""
-    new = {slot: x for slot, x in zip(slots, fresh, strict=True) if slot is not None}
-    values = [vector[i] if new[i] is None else new[i] for i in range(vector.shape[0])]
-    return jnp.stack(values).astype(vector.dtype) if values else vector
+    statistics): each slot's tensor's new ones (``fresh``, per tensor ``(layers,)``), its old ones
+    where it has none (an empty tensor), in one array: XLA writes it in one kernel, where a scalar
+    per tensor took a launch each."""
+    pieces = [
+        vector[slot : slot + lay.layers] if x is None else x.astype(vector.dtype)
+        for slot, x, lay in zip(slots, fresh, layouts, strict=True)
+        if slot is not None
+    ]
+    return jnp.concatenate(pieces) if pieces else vector
 
 
 def _graft(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> jax.Array:
@@ -603,7 +708,12 @@ class ApplyArgs(NamedTuple):
 
 
 def make_step(
-    hyper: Hyper, mesh: Any, param_specs: Any, implementation: str, kernel_config: KernelConfig
+    hyper: Hyper,
+    mesh: Any,
+    param_specs: Any,
+    implementation: str,
+    kernel_config: KernelConfig,
+    stacked_axes: Any = None,
 ) -> Callable:
     """The whole-tree step ``(updates, m, d, e, ratio, diag, corrections, apply) -> (out, m, d,
     e, ratio, diag)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with
@@ -611,7 +721,8 @@ def make_step(
     ratio before the step (:func:`_kernel_apply`), else ``pointwise.apply_update`` of ``u`` on
     XLA. ``ratio`` (graft_lag's ratios) and ``diag`` (a relative damping's statistics,
     :func:`_damped`) are each one array over the preconditioned tensors (:func:`_slots`), or
-    ``None``."""
+    ``None``. ``stacked_axes`` says which leading dimensions of each tensor stack tensors
+    (``sharding.stack_counts``); their steps are :func:`_stacked_step`'s."""
     kernels = kernels_enabled(implementation, mesh, kernel_config)
 
     def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
@@ -624,8 +735,11 @@ def make_step(
             else ([None] * n, [None] * n)
         )
         layouts = leaves[4]
-        slots = _slots(layouts, hyper)
-        lagged = [None if ratio is None or k is None else ratio[k] for k in slots]
+        slots = _slots(layouts, hyper.precondition_1d)
+        lagged = [
+            None if ratio is None or k is None else _slot_values(ratio, k, lay)
+            for k, lay in zip(slots, layouts, strict=True)
+        ]
         halos = _halos(*leaves[1:4], layouts, hyper, kernels)
         edges = _edges(leaves, hyper, kernels)
         fused_apply = [
@@ -646,20 +760,21 @@ def make_step(
         )
         ratios, scales = _norm_results([step[4] for step in steps], layouts, hyper)
         out: list[list[Any]] = [[] for _ in range(4)]
-        for g, step, fresh, old, p, flag, leaf_apply in zip(
-            leaves[0], steps, ratios, lagged, params, decayed, fused_apply, strict=True
+        for g, step, fresh, old, p, flag, leaf_apply, lay in zip(
+            leaves[0], steps, ratios, lagged, params, decayed, fused_apply, layouts, strict=True
         ):
             if leaf_apply is not None:  # the kernel wrote the parameters
                 x = step[0]
             else:
+                fresh = None if fresh is None else _per_tensor(fresh, lay)
                 x = _graft(step[0], fresh, old).astype(g.dtype)
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
             for k, y in enumerate((x, *step[1:4])):
                 out[k].append(y)
-        new_ratio = None if ratio is None else _gathered(ratios, ratio, slots)
-        new_diag = None if diag is None else _gathered(scales, diag, slots)
+        new_ratio = None if ratio is None else _gathered(ratios, ratio, slots, layouts)
+        new_diag = None if diag is None else _gathered(scales, diag, slots, layouts)
         return (*(jax.tree.unflatten(treedef, y) for y in out), new_ratio, new_diag)
 
     if mesh is None:
@@ -667,16 +782,24 @@ def make_step(
         def step(updates, m, d, e, ratio, diag, corrections, apply=None):
             explicit = _explicit_mesh(updates)
             if explicit is not None:  # the arrays' types say how they are split
-                sharded = sharding.sharded_step(tree_step, explicit, sharding.specs_of(updates))
+                specs = sharding.specs_of(updates)
+                sharded = sharding.sharded_step(
+                    tree_step, explicit, specs, stacked_axes=stacked_axes
+                )
                 return sharded(updates, m, d, e, ratio, diag, corrections, apply)
-            layouts = jax.tree.map(lambda g: ChainLayout.unsharded(jnp.shape(g)), updates)
+            stacks = sharding.stack_counts(stacked_axes, updates)
+            layouts = jax.tree.map(
+                lambda g, k: ChainLayout.unsharded(jnp.shape(g), k), updates, stacks
+            )
             return tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply)
 
         return step
 
     # Pallas kernels declare plain output shapes, without the varying-axes type that
     # shard_map's check wants; their replicated outputs come from replicated inputs alone.
-    return sharding.sharded_step(tree_step, mesh, param_specs, check_vma=kernels is None)
+    return sharding.sharded_step(
+        tree_step, mesh, param_specs, check_vma=kernels is None, stacked_axes=stacked_axes
+    )
 
 
 def _explicit_mesh(updates: Any) -> Any:

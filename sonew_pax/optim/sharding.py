@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -164,6 +165,53 @@ def zeros_beside(param: Any, dtype: Any, sharding: NamedSharding | None, band: i
     return jax.numpy.zeros(shape, dtype, device=NamedSharding(sharding.mesh, spec))
 
 
+def stack_counts(stacked_axes: Any, tree: Any) -> Any:
+    """``stacked_axes`` (``scale_by_sonew``'s) resolved against ``tree``: for every leaf, how many
+    of its leading dimensions index stacked tensors (``chain.ChainLayout.stack``), in a tree of
+    ``tree``'s structure.
+
+    Args:
+      stacked_axes: ``None`` (none stacked); an int (or bool: ``True`` is 1) for every leaf; a
+        pytree prefix of ``tree`` holding them (``None`` is 0); or a function of ``tree``
+        returning one.
+      tree: the parameters or gradients (arrays or shape-dtype structs).
+
+    Raises:
+      ValueError: naming a leaf whose count is not an int in ``[0, ndim]``, or a prefix that does
+        not match ``tree``.
+    """
+    prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
+
+    def is_count(x: Any) -> bool:  # inject_hyperparams makes numbers arrays
+        return x is None or isinstance(x, int | np.integer | np.ndarray | jax.Array)
+
+    try:
+        counts = jax.tree.map(
+            lambda count, sub: jax.tree.map(lambda _: 0 if count is None else count, sub),
+            prefix,
+            tree,
+            is_leaf=is_count,
+        )
+    except ValueError as err:
+        raise ValueError(f"stacked_axes must be a prefix of the parameters' tree: {err}") from err
+
+    def checked(path, count, leaf):
+        if isinstance(count, jax.core.Tracer):
+            raise ValueError(
+                "stacked_axes must be concrete: it decides how the update is laid out. Under "
+                "optax.inject_hyperparams, keep it static: static_args=('stacked_axes',)."
+            )
+        count = int(count)
+        if not 0 <= count <= len(jax.numpy.shape(leaf)):
+            raise ValueError(
+                f"stacked_axes of {jax.tree_util.keystr(path)} is {count}, but the parameter has "
+                f"rank {len(jax.numpy.shape(leaf))} (shape {tuple(jax.numpy.shape(leaf))})."
+            )
+        return count
+
+    return jax.tree.map_with_path(checked, counts, tree)
+
+
 def _dim_axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
@@ -171,14 +219,19 @@ def _dim_axes(entry: Any) -> tuple[str, ...]:
 
 
 def chain_layout(
-    shape: tuple[int, ...], spec: P | None, mesh: jax.sharding.Mesh, path: str = "<param>"
+    shape: tuple[int, ...],
+    spec: P | None,
+    mesh: jax.sharding.Mesh,
+    path: str = "<param>",
+    stack: int = 0,
 ) -> ChainLayout:
-    """The :class:`ChainLayout` of a parameter of ``shape`` partitioned by ``spec`` over ``mesh``.
+    """The :class:`ChainLayout` of a parameter of ``shape`` partitioned by ``spec`` over ``mesh``,
+    its ``stack`` leading dimensions stacked tensors.
 
     Raises:
       ValueError: naming ``path`` when the spec has more entries than the parameter has
-        dimensions, names an unknown mesh axis (or one twice), or splits a dimension into shards
-        that do not divide it.
+        dimensions, names an unknown mesh axis (or one twice), splits a dimension into shards
+        that do not divide it, or splits a stacked dimension.
     """
     spec = P() if spec is None else spec
     if len(spec) > len(shape):
@@ -203,7 +256,13 @@ def chain_layout(
                 f"{path}: dimension {dim} of size {size} is not divisible by its {count} shards "
                 f"(mesh axes {axes[dim]} of spec {spec})."
             )
-    return ChainLayout(tuple(shape), axes, shards)
+    if any(axes[:stack]):
+        raise ValueError(
+            f"{path}: partition spec {spec} splits one of its {stack} stacked dimensions "
+            "(stacked_axes); SONew needs each stacked tensor whole along them: shard the "
+            "other dimensions."
+        )
+    return ChainLayout(tuple(shape), axes, shards, stack)
 
 
 def _band_spec(spec: P) -> P:
@@ -212,7 +271,11 @@ def _band_spec(spec: P) -> P:
 
 
 def sharded_step(
-    tree_step: Callable, mesh: jax.sharding.Mesh, param_specs: Any, check_vma: bool = True
+    tree_step: Callable,
+    mesh: jax.sharding.Mesh,
+    param_specs: Any,
+    check_vma: bool = True,
+    stacked_axes: Any = None,
 ) -> Callable:
     """Wraps SONew's whole-tree step in ``jax.shard_map`` over ``mesh`` with ``param_specs``.
 
@@ -220,9 +283,11 @@ def sharded_step(
     kernels, whose outputs carry no such type. With the fused apply (``apply``: the parameters,
     the scalars ``scale`` and ``weight_decay`` and static per-parameter flags ``decayed``) the
     parameters are sharded like the gradients and the step returns them in place of ``u``.
+    ``stacked_axes`` is :func:`stack_counts`'s.
     """
 
     def step(updates, m, d, e, ratio, diag, corrections, apply=None):
+        stacks = stack_counts(stacked_axes, updates)
         specs = jax.tree.map(lambda s: P() if s is None else s, param_specs, is_leaf=_is_spec)
         try:
             paths_and_specs = jax.tree.map_with_path(
@@ -236,8 +301,9 @@ def sharded_step(
                 f"param_specs must have the parameters' tree structure: {err}"
             ) from err
         layouts = jax.tree.map(
-            lambda t: chain_layout(jax.numpy.shape(t[1]), t[2], mesh, t[0]),
+            lambda t, stack: chain_layout(jax.numpy.shape(t[1]), t[2], mesh, t[0], stack),
             paths_and_specs,
+            stacks,
             is_leaf=lambda x: isinstance(x, tuple) and len(x) == 3 and isinstance(x[0], str),
         )
         e_specs = jax.tree.map(

@@ -197,6 +197,7 @@ def kernel_edges(
     ds: list[jax.Array],
     es: list[Any],
     layout: ChainLayout,
+    stacked: list[bool] | None = None,
 ) -> Program:
     """An exchange program returning the :class:`Edges` of band-``b`` step kernels on the local
     blocks of tensors of one ``layout`` and dtypes: the chain neighbours beyond the view's first
@@ -211,27 +212,38 @@ def kernel_edges(
     tensors go through one program, stacked: a model's update builds its edges in a few
     operations per layout, not per tensor, and sharded, they travel with every other layout's
     (``chain.run`` of ``chain.parallel`` programs).
+
+    Where ``stacked[i]``, member ``i`` holds several tensors of ``layout`` on a leading axis
+    (``g``, ``m``, ``d`` as ``(n, *shape)``, ``e`` as ``(b, n, *shape)``): its edges are those of
+    its ``n`` tensors, one after another, and its :class:`Edges` is the first's.
     """
+    stacked = [False] * len(gs) if stacked is None else stacked
     band = es[0].shape[0]
     before, after = halo_width(band)
     compute = pointwise.compute_dtype(ds[0].dtype)
-    rows = ds[0].shape[0]
+    rows = ds[0].shape[int(stacked[0])]
 
     def rows_of(start: int, stop: int) -> jax.Array:
         """Rows ``start:stop`` of every array (and of each of ``e``'s off-diagonals), stacked:
         each sliced along the tensor's axis 0 before anything else. Stacked, or sliced along
         another axis first, a TPU's layout assignment writes whole arrays out to take a few
         rows: band 1's one off-diagonal is sliced as ``e[0]`` (a bitcast), several together
-        along ``e``'s axis 1 (split first, each would be written out)."""
+        along ``e``'s axis 1 (split first, each would be written out). A stacked member's slabs
+        are interleaved per tensor."""
         slabs = []
-        for g, m, d, e in zip(gs, ms, ds, es, strict=True):
+        for g, m, d, e, lead in zip(gs, ms, ds, es, stacked, strict=True):
             arrays = (g, m, d, e[0]) if band == 1 else (g, m, d)
-            for x in arrays:
-                slabs.append(lax.slice_in_dim(x, start, stop, axis=0)[None].astype(compute))
+            parts = [lax.slice_in_dim(x, start, stop, axis=int(lead))[None] for x in arrays]
             if band > 1:
-                slabs.append(lax.slice_in_dim(e, start, stop, axis=1).astype(compute))
+                parts.append(lax.slice_in_dim(e, start, stop, axis=1 + int(lead)))
+            if lead:  # (3 + b, n, rows, ...) -> each tensor's 3 + b slabs together
+                block = jnp.concatenate(parts)
+                parts = [jnp.moveaxis(block, 1, 0).reshape(-1, *block.shape[2:])]
+            slabs += [x.astype(compute) for x in parts]
         return jnp.concatenate(slabs)
 
     pre, post = yield from edges_of(rows_of(rows - before, rows), rows_of(0, after), layout)
     buffer = jnp.concatenate([pre, post], axis=1).reshape(-1)
-    return [Edges(buffer, k) for k in range(len(gs))]
+    counts = [g.shape[0] if lead else 1 for g, lead in zip(gs, stacked, strict=True)]
+    firsts = [sum(counts[:i]) for i in range(len(gs))]
+    return [Edges(buffer, first) for first in firsts]

@@ -1,0 +1,153 @@
+"""Parameters that stack tensors (``stacked_axes``: flax ``nn.scan``'s layer axis) are
+preconditioned as the unstacked tensors are, whole and sharded, traced once per stack."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sonew_pax.optim import sonew
+from tests.test_sonew_sharded import make_mesh, run
+
+LAYERS = 3
+# Stacked parameters: name -> (shape, stacked axes). "v" is a vector per layer (Adam's direction
+# unless precondition_1d), "q" stacks over two axes (nested scans), "x" stacks nothing.
+SHAPES = {
+    "w": ((LAYERS, 8, 12), 1),
+    "v": ((LAYERS, 8), 1),
+    "q": ((2, LAYERS, 4, 6), 2),
+    "x": ((6, 4), 0),
+}
+STACKS = {name: stack for name, (_, stack) in SHAPES.items()}
+
+
+def _unstacked(tree: dict) -> dict:
+    """Every stacked tensor of ``tree`` as a parameter of its own."""
+    out = {}
+    for name, x in tree.items():
+        stack = STACKS[name]
+        flat = x.reshape(-1, *x.shape[stack:])
+        for i in range(flat.shape[0] if stack else 0):
+            out[f"{name}{i}"] = flat[i]
+        if not stack:
+            out[name] = x
+    return out
+
+
+def _unstacked_e(e: dict) -> dict:
+    """The off-diagonal statistics (``(band, *shape)``) of every stacked tensor, unstacked."""
+    return _unstacked({k: jnp.moveaxis(x, 0, STACKS[k]) for k, x in e.items()})
+
+
+def _problem(seed=0, steps=3):
+    rng = np.random.default_rng(seed)
+    params = {k: jnp.asarray(rng.normal(size=shape)) for k, (shape, _) in SHAPES.items()}
+    grads = [
+        {k: jnp.asarray(rng.normal(size=shape)) for k, (shape, _) in SHAPES.items()}
+        for _ in range(steps)
+    ]
+    return params, grads
+
+
+def _assert_close(expect: dict, got: dict, rtol: float):
+    assert expect.keys() == got.keys()
+    for k in expect:
+        e, g = np.asarray(expect[k]), np.asarray(got[k])
+        assert e.shape == g.shape, k
+        assert np.linalg.norm(g - e) <= rtol * max(np.linalg.norm(e), 1e-300), k
+
+
+@pytest.mark.parametrize(
+    "band, kwargs",
+    [
+        (0, {}),
+        (1, {}),
+        (1, {"graft_lag": True}),
+        (1, {"damping": "absolute", "eps": 1e-3, "precondition_1d": True}),
+        (2, {"damping": "max"}),
+        (4, {"graft": "none", "damping": "absolute", "eps": 1e-2}),
+    ],
+)
+def test_stacked_equals_unstacked(x64, band, kwargs):
+    params, grads = _problem()
+    kwargs = dict(band=band, stats_dtype=jnp.float64, weight_decay=0.1, **kwargs)
+    expect, expect_state = run(sonew(0.1, **kwargs), _unstacked(params), map(_unstacked, grads))
+    got, state = run(sonew(0.1, stacked_axes=STACKS, **kwargs), params, grads)
+    for e_step, g_step in zip(expect, got, strict=True):
+        _assert_close(e_step, _unstacked(g_step), 1e-12)
+    _assert_close(expect_state[0].m, _unstacked(state[0].m), 1e-12)
+    _assert_close(expect_state[0].d, _unstacked(state[0].d), 1e-12)
+    if band:
+        e = {k: v for k, v in state[0].e.items() if not isinstance(v, optax.MaskedNode)}
+        expect_e = {
+            k: v for k, v in expect_state[0].e.items() if not isinstance(v, optax.MaskedNode)
+        }
+        _assert_close(expect_e, _unstacked_e(e), 1e-12)
+    # One number per preconditioned stacked tensor in the state (here the damping's statistics).
+    if kwargs.get("damping", "mean") != "absolute":
+        assert state[0].diag.shape == expect_state[0].diag.shape
+
+
+@pytest.mark.parametrize("band", [1, 2, 4])
+def test_sharded_stacked_equals_unstacked(x64, band):
+    """On a 2 x 4 mesh, stacked parameters sharded along their other axes (the edges of all
+    stacked tensors travel in the tree's one exchange) equal the unsharded, unstacked update."""
+    mesh = make_mesh((2, 4))
+    params, grads = _problem(seed=band)
+    specs = {"w": P(None, "data", "model"), "v": P(None, "model"), "q": P(), "x": P("data")}
+    kwargs = dict(band=band, eps=1e-2, stats_dtype=jnp.float64)
+    expect, _ = run(sonew(0.1, **kwargs), _unstacked(params), map(_unstacked, grads))
+    tx = sonew(0.1, mesh=mesh, param_specs=specs, stacked_axes=STACKS, **kwargs)
+    got, _ = run(tx, params, grads, mesh, specs)
+    for e_step, g_step in zip(expect, got, strict=True):
+        _assert_close(e_step, _unstacked(g_step), 1e-10)
+
+
+def test_stacked_axes_as_a_function_of_the_parameters(x64):
+    params, grads = _problem()
+    by_rank = lambda tree: {k: STACKS[k] for k in tree}  # noqa: E731
+    expect, _ = run(sonew(0.1, stacked_axes=STACKS), params, grads)
+    got, _ = run(sonew(0.1, stacked_axes=by_rank), params, grads)
+    for e_step, g_step in zip(expect, got, strict=True):
+        _assert_close(e_step, g_step, 0)
+
+
+def test_a_stack_traces_once_whatever_its_size():
+    """The update's program grows with the number of stacks, not of stacked tensors."""
+
+    def equations(layers: int) -> int:
+        params = {"w": jnp.zeros((layers, 8, 12)), "b": jnp.zeros((layers, 12))}
+        tx = sonew(0.1, stacked_axes=1)
+        state = tx.init(params)
+        return len(jax.make_jaxpr(tx.update)(params, state, params).eqns)
+
+    assert equations(2) == equations(16)
+
+
+def test_bad_stacked_axes_are_named():
+    params = {"w": jnp.zeros((4, 8, 12)), "b": jnp.zeros((12,))}
+    with pytest.raises(
+        ValueError, match=r"stacked_axes of \['b'\] is 2, but the parameter has rank 1"
+    ):
+        sonew(0.1, stacked_axes={"w": 1, "b": 2}).init(params)
+    with pytest.raises(ValueError, match="stacked_axes must be a prefix"):
+        sonew(0.1, stacked_axes={"w": 1}).init(params)
+    mesh = make_mesh((2, 4))
+    specs = {"w": P("model"), "b": P()}
+    tx = sonew(0.1, mesh=mesh, param_specs=specs, stacked_axes={"w": 1, "b": 0})
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"\['w'\].*splits one of its 1 stacked dimensions"):
+        jax.eval_shape(tx.update, params, state, params)
+
+
+def test_stacked_axes_under_inject_hyperparams_must_be_static():
+    params = {"w": jnp.zeros((4, 8, 12))}
+    traced = optax.inject_hyperparams(sonew)(learning_rate=0.1, stacked_axes=1)
+    state = traced.init(params)
+    with pytest.raises(ValueError, match=r"static_args=\('stacked_axes',\)"):
+        jax.jit(traced.update)(params, state, params)
+    static = optax.inject_hyperparams(sonew, static_args=("stacked_axes",))
+    tx = static(learning_rate=0.1, stacked_axes=1)
+    jax.jit(tx.update)(params, tx.init(params), params)
