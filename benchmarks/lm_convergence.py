@@ -139,11 +139,6 @@ COLORS = {"adamw": "tab:blue", "adafactor": "tab:green", "sonew_tridiag": "tab:r
 # ---------------------------------------------------------------------------------- optimizers
 
 
-def _matrices(params):
-    """Weight-decay mask: matrices only (as `sonew_pax.optimizers` does)."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
-
-
 def adam_decay_rate(step, b2):
     """Adafactor's decay for step ``step`` (0-based) that makes its second moment Adam's.
 
@@ -155,7 +150,16 @@ def adam_decay_rate(step, b2):
 
 
 def adafactor_unfactored(
-    learning_rate, *, b1, b2, eps, clipping_threshold, weight_decay, mesh=None, param_specs=None
+    learning_rate,
+    *,
+    b1,
+    b2,
+    eps,
+    clipping_threshold,
+    weight_decay,
+    mesh=None,
+    param_specs=None,
+    stacked_axes=None,
 ):
     """The paper's Adafactor: full second moment, Adam-style decay, momentum, update clipping.
 
@@ -170,7 +174,7 @@ def adafactor_unfactored(
         ),
         optax.clip_by_block_rms(clipping_threshold),
         optax.ema(b1, debias=False),
-        optax.add_decayed_weights(weight_decay, _matrices),
+        optax.add_decayed_weights(weight_decay, optimizers.matrices(stacked_axes)),
         optax.scale_by_learning_rate(learning_rate),
     )
 
@@ -218,7 +222,7 @@ def hyperparams_in_state(factory, eps: float | None = None):
     """
     initial = {"peak": 1.0} if eps is None else {"peak": 1.0, "eps": eps}
 
-    def optimizer(schedule, *, mesh=None, param_specs=None):
+    def optimizer(schedule, *, mesh=None, param_specs=None, stacked_axes=None):
         def build(peak, eps=None):
             inner = factory if eps is None else functools.partial(factory, eps=eps)
             return optimizers.make_optimizer(
@@ -227,6 +231,7 @@ def hyperparams_in_state(factory, eps: float | None = None):
                 clip_norm=CLIP_NORM,
                 mesh=mesh,
                 param_specs=param_specs,
+                stacked_axes=stacked_axes,
             )
 
         return optax.inject_hyperparams(build, hyperparam_dtype=jnp.float32)(**initial)

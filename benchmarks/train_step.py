@@ -75,16 +75,17 @@ PROFILE_FAMILIES = 16
 
 
 def load_model_config(
-    model: str, dtype: str | None, layers: int | None = None
+    model: str, dtype: str | None, layers: int | None = None, scan_layers: bool | None = None
 ) -> TransformerConfig:
-    """``configs/models/<model>.gin``'s TransformerConfig; ``dtype``/``layers`` override it."""
+    """``configs/models/<model>.gin``'s TransformerConfig; ``dtype``/``layers``/``scan_layers``
+    override it."""
     import gin
 
     gin.clear_config()
     gin.parse_config_file(str(common.ROOT / "configs" / "models" / f"{model}.gin"))
     config = gin.get_configurable(TransformerConfig)()
     gin.clear_config()
-    overrides = {"dtype": dtype, "num_layers": layers}
+    overrides = {"dtype": dtype, "num_layers": layers, "scan_layers": scan_layers}
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -102,9 +103,9 @@ def optimizer_factory(name: str, unsharded: bool, kernel_config=None):
     if unsharded:
         plain = factory
 
-        def factory(schedule, *, mesh=None, param_specs=None):
+        def factory(schedule, *, mesh=None, param_specs=None, stacked_axes=None):
             del mesh, param_specs
-            return plain(schedule)
+            return plain(schedule, stacked_axes=stacked_axes)
 
     return functools.partial(optimizers.make_optimizer, factory=factory, clip_norm=1.0)
 
@@ -134,7 +135,7 @@ def peak_memory_gib(devices=None) -> float | None:
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """Builds the Trainer for optimizer ``name``, times its train step, returns the row."""
     optimizer = optimizer_factory(name, args.unsharded_optimizer, common.kernel_config(args))
-    config = load_model_config(args.model, args.dtype, args.layers)
+    config = load_model_config(args.model, args.dtype, args.layers, args.scan_layers or None)
     devices = jax.devices()[: args.mesh_data * args.mesh_model]
     mesh = partitioning.make_mesh(data=args.mesh_data, model=args.mesh_model, devices=devices)
     rules = partitioning.logical_axis_rules()
@@ -237,6 +238,8 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
             argv += [f"--{flag}", str(getattr(args, flag))]
     if args.unsharded_optimizer:
         argv.append("--unsharded_optimizer")
+    if args.scan_layers:
+        argv.append("--scan_layers")
     if args.concurrent:
         argv.append("--concurrent")
     return argv + common.kernel_argv(args)
@@ -278,6 +281,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, model="350m", dtype="bfloat16", layers=True, batch_size=8, seq_len=1024
     )
     common.add_optimizers_arg(p, OPTIMIZERS, ",".join(OPTIMIZERS))
+    p.add_argument(
+        "--scan_layers",
+        action="store_true",
+        help="the model's layers as one nn.scan (TransformerConfig.scan_layers), its parameters "
+        "stacked; SONew takes the stacked axes from their logical names",
+    )
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
@@ -322,6 +331,7 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "model": args.model,
             "dtype": args.dtype,
             "layers": args.layers,
+            "scan_layers": args.scan_layers,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
             "mesh_data": args.mesh_data,

@@ -1,14 +1,16 @@
 """Gin-configurable optimizers and learning-rate schedules for the trainer.
 
 Every optimizer factory here has the same shape,
-``factory(learning_rate, *, mesh, param_specs) -> optax.GradientTransformation``, with its
-hyper-parameters bound in gin (``configs/optimizers/*.gin``). The trainer calls
-`make_optimizer` with the learning-rate schedule (which it also logs) once it knows the mesh and
-the parameter specs, because SONew's sharded update needs both; the others ignore them.
-`make_optimizer` adds global-norm gradient clipping in front.
+``factory(learning_rate, *, mesh, param_specs, stacked_axes) -> optax.GradientTransformation``,
+with its hyper-parameters bound in gin (``configs/optimizers/*.gin``). The trainer calls
+`make_optimizer` with the learning-rate schedule (which it also logs) once it knows the mesh, the
+parameter specs and which parameters stack layers (``stacked_axes``, from the logical "layers"
+axis of a model with ``scan_layers``), because SONew's sharded update needs all three; the others
+use only the last, for their weight-decay mask. `make_optimizer` adds global-norm gradient
+clipping in front.
 
-Weight decay is applied to matrices only (``ndim >= 2``): norm scales and biases are not decayed,
-as in most LM recipes.
+Weight decay is applied to matrices only (two or more dimensions per layer): norm scales and
+biases are not decayed, as in most LM recipes.
 """
 
 import functools
@@ -30,9 +32,15 @@ OptimizerFactory = Callable[..., optax.GradientTransformation]
 SCHEDULE_KINDS = ("cosine", "linear", "rsqrt", "constant")
 
 
-def _matrices_only(params: Any) -> Any:
-    """Weight-decay mask: True for parameters with two or more dimensions."""
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
+def matrices(stacked_axes: Any = None) -> Callable[[Any], Any]:
+    """Weight-decay mask: True for parameters with two or more dimensions besides their
+    ``stacked_axes`` (``optim.sonew``'s: a scanned model's layer axis)."""
+
+    def mask(params: Any) -> Any:
+        stacks = optim.stack_counts(stacked_axes, params)
+        return jax.tree.map(lambda p, k: p.ndim - k >= 2, params, stacks)
+
+    return mask
 
 
 @gin.configurable
@@ -94,11 +102,12 @@ def adamw(
     weight_decay: float = 0.1,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    stacked_axes: Any = None,
 ) -> optax.GradientTransformation:
     """optax.adamw with decoupled weight decay on matrices (mesh and specs are unused)."""
     del mesh, param_specs
     return optax.adamw(
-        learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=_matrices_only
+        learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=matrices(stacked_axes)
     )
 
 
@@ -115,6 +124,7 @@ def adafactor(
     weight_decay: float = 0.0,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    stacked_axes: Any = None,
 ) -> optax.GradientTransformation:
     """optax.adafactor; ``factored=False`` keeps the full second moment (mesh, specs unused)."""
     del mesh, param_specs
@@ -127,7 +137,7 @@ def adafactor(
         clipping_threshold=clipping_threshold,
         momentum=momentum,
         weight_decay_rate=weight_decay or None,
-        weight_decay_mask=_matrices_only,
+        weight_decay_mask=matrices(stacked_axes),
     )
 
 
@@ -165,10 +175,22 @@ def _with_defaults(fn: Callable[..., Any], **defaults: Any) -> Callable[..., Any
     return wrapper
 
 
+# The default weight-decay mask of `sonew`: `matrices` of its own ``stacked_axes``.
+MATRICES = "matrices"
+
+
+def _sonew(learning_rate: Schedule, **kwargs: Any) -> optax.GradientTransformation:
+    """``optim.sonew``, its ``mask`` `MATRICES` by default (`matrices` of its ``stacked_axes``)."""
+    if kwargs.get("mask", MATRICES) == MATRICES:
+        kwargs["mask"] = matrices(kwargs.get("stacked_axes"))
+    return optim.sonew(learning_rate, **kwargs)
+
+
+_sonew.__signature__ = inspect.signature(optim.sonew)
 # SONew (`sonew_pax.optim.sonew`, every argument bindable in gin), with weight decay on matrices
 # only. Dtype arguments take names in gin (``sonew.mu_dtype = "bfloat16"``).
 sonew = gin.external_configurable(
-    _with_defaults(optim.sonew, mask=_matrices_only), name="sonew", module=__name__
+    _with_defaults(_sonew, mask=MATRICES), name="sonew", module=__name__
 )
 # SONew's kernels' configuration, for ``sonew.kernel_config = @KernelConfig()``: e.g. band 1's TPU
 # kernel (``sonew.implementation = "pallas"``; on a TPU ``KernelConfig.platform`` is "tpu").
@@ -183,10 +205,11 @@ def make_optimizer(
     clip_norm: float | None = 1.0,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
+    stacked_axes: Any = None,
 ) -> optax.GradientTransformation:
     """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer,
     keeping its fused apply (``optim.chain``)."""
-    tx = factory(schedule, mesh=mesh, param_specs=param_specs)
+    tx = factory(schedule, mesh=mesh, param_specs=param_specs, stacked_axes=stacked_axes)
     if clip_norm is None:
         return tx
     return optim.chain(optax.clip_by_global_norm(clip_norm), tx)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import flax.linen as nn
 import gin
@@ -33,7 +34,10 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", None),
     ("kv", None),
     ("length", None),
+    ("layers", None),  # stacked layers (LAYERS): SONew needs them whole
 )
+# The logical axis of a parameter's stacked layers (a model's `scan_layers`): `stacked_axes`.
+LAYERS = "layers"
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
@@ -153,6 +157,19 @@ def param_specs(params, rules: Rules = DEFAULT_RULES):
             raise ValueError(f"parameter {jax.tree_util.keystr(path)}: {err}") from None
 
     return jax.tree_util.tree_map_with_path(translate, logical, is_leaf=is_spec)
+
+
+def stacked_axes(params) -> Any:
+    """For each parameter, how many of its leading logical axes are `LAYERS` (a model's stacked
+    layers): SONew's ``stacked_axes``, from `nn.LogicallyPartitioned` boxes (as `param_specs`
+    reads them); in the unboxed tree's structure, 0 for unboxed leaves."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)  # noqa: E731
+
+    def leading(spec: PartitionSpec) -> int:
+        names = tuple(spec)
+        return next((i for i, name in enumerate(names) if name != LAYERS), len(names))
+
+    return jax.tree.map(leading, nn.get_partition_spec(params), is_leaf=is_spec)
 
 
 def validate_specs(shapes, specs, mesh: Mesh) -> None:

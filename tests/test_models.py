@@ -18,7 +18,9 @@ from sonew_pax.models import (
     flops_per_token,
     init_cache,
     rotary_embedding,
+    unstack_layers,
 )
+from sonew_pax.partitioning import LAYERS
 
 CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs" / "models"
 # Shipped model configs and their nominal sizes (the file names promise these).
@@ -81,6 +83,35 @@ def test_cached_decoding_matches_the_full_forward_pass(overrides):
         pieces.append(logits)
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=0, atol=1e-5)
     assert int(cache["index"]) == tokens.shape[1]
+
+
+@pytest.mark.parametrize("overrides", VARIANTS[:2], ids=["gelu-rotary-tied", "swiglu-learned"])
+def test_scanned_layers_are_the_same_model_stacked(overrides):
+    """With ``scan_layers`` each block parameter is stacked on a leading "layers" axis, and the
+    model computes what the unscanned one does with those parameters unstacked: the forward pass,
+    and cached decoding."""
+    config = TransformerConfig(**SMALL, **overrides)
+    scanned = TransformerConfig(**SMALL, **overrides, scan_layers=True)
+    tokens = _tokens(length=SMALL["max_len"])
+    model, variables = _init(scanned, tokens)
+    names = nn.get_partition_spec(variables)["params"][LAYERS]
+    for spec in jax.tree.leaves(names, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)):
+        assert spec[0] == LAYERS
+    params = nn.unbox(variables)["params"]
+    assert params[LAYERS]["mlp"]["wo"].shape == (SMALL["num_layers"], 48, 32)
+    full = model.apply({"params": params}, tokens)
+    unscanned = Transformer(config).apply({"params": unstack_layers(params, config)}, tokens)
+    np.testing.assert_allclose(full, unscanned, rtol=0, atol=1e-5)
+    cache = init_cache(scanned, *tokens.shape)
+    assert cache[LAYERS]["attn"]["key"].shape[0] == SMALL["num_layers"]
+    prefill, mutated = model.apply(
+        {"params": params, "cache": cache}, tokens[:, :5], decode=True, mutable=["cache"]
+    )
+    last, _ = model.apply(
+        {"params": params, **mutated}, tokens[:, 5:6], decode=True, mutable=["cache"]
+    )
+    np.testing.assert_allclose(prefill, full[:, :5], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(last, full[:, 5:6], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("positions", ["rotary", "learned"])

@@ -1,6 +1,9 @@
 """Parameters that stack tensors (``stacked_axes``: flax ``nn.scan``'s layer axis) are
 preconditioned as the unstacked tensors are, whole and sharded, traced once per stack."""
 
+import functools
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +11,10 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from sonew_pax import optimizers, partitioning, trainer
+from sonew_pax.models import Transformer, TransformerConfig, unstack_layers
 from sonew_pax.optim import sonew
+from sonew_pax.train_state import TrainState
 from tests.test_sonew_sharded import make_mesh, run
 
 LAYERS = 3
@@ -151,3 +157,33 @@ def test_stacked_axes_under_inject_hyperparams_must_be_static():
     static = optax.inject_hyperparams(sonew, static_args=("stacked_axes",))
     tx = static(learning_rate=0.1, stacked_axes=1)
     jax.jit(tx.update)(params, tx.init(params), params)
+
+
+def test_scanned_model_trains_as_the_unscanned_one():
+    """The trainer's step on a model with ``scan_layers``, SONew told the stacked axes from the
+    logical names (``partitioning.stacked_axes``) and weight decay on each layer's matrices: the
+    same parameters as the unscanned model's step, started from the same (unstacked) ones."""
+    small = dict(vocab_size=64, d_model=32, num_layers=3, num_heads=4, head_dim=8, mlp_dim=48)
+    config = TransformerConfig(**small, max_len=16)
+    scanned = TransformerConfig(**small, max_len=16, scan_layers=True)
+    tokens = jax.random.randint(jax.random.key(0), (2, 13), 0, 64, dtype=jnp.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((2, 12))}
+    boxed = Transformer(scanned).init(jax.random.key(1), batch["inputs"])["params"]
+    schedule = optax.constant_schedule(1e-2)
+    finals = []
+    for model, params, stacks in [
+        (Transformer(scanned), nn.unbox(boxed), partitioning.stacked_axes(boxed)),
+        (Transformer(config), unstack_layers(nn.unbox(boxed), config), None),
+    ]:
+        factory = functools.partial(optimizers.sonew, eps=1e-2, weight_decay=0.1)
+        tx = optimizers.make_optimizer(schedule, factory=factory, stacked_axes=stacks)
+        step = jax.jit(trainer.make_train_step(model, tx, schedule, seed=0))
+        state = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params))
+        with jax.default_matmul_precision("float32"):
+            for _ in range(3):
+                state, _ = step(state, batch)
+        finals.append(state.params)
+    flat = [dict(jax.tree_util.tree_leaves_with_path(p)) for p in finals[1:]]
+    _assert_close(
+        flat[0], dict(jax.tree_util.tree_leaves_with_path(unstack_layers(finals[0], config))), 1e-5
+    )

@@ -14,7 +14,7 @@ import numpy as np
 import optax
 import pytest
 
-from sonew_pax import optim, optimizers, partitioning, train, trainer
+from sonew_pax import optim, optimizers, partitioning, train, train_state, trainer
 from sonew_pax.models import Transformer
 
 CONFIGS = train.CONFIGS_DIR
@@ -159,3 +159,43 @@ def test_gin_sonew_passes_bindings_through_and_decays_matrices_only():
     updates, _ = tx.update(zeros, state, params)
     np.testing.assert_allclose(updates["w"], -params["w"])
     np.testing.assert_allclose(updates["b"], 0.0)
+
+
+def test_scanned_model_trains_sharded_with_sonew_per_layer():
+    """``TransformerConfig.scan_layers`` through gin: the trainer tells SONew the stacked layer
+    axis (one damping statistic per layer's matrix in the state) and the sharded step runs."""
+    train.parse_gin(["runs/pretrain.gin", "models/tiny.gin", "optimizers/sonew_tridiag.gin"],
+                    ['MODEL_DIR = "/tmp/unused"', "TRAIN_STEPS = 2000",
+                     "TransformerConfig.scan_layers = True"], [])  # fmt: skip
+    config = gin.query_parameter("train.model_config").scoped_configurable_fn()
+    step_fns = trainer.Trainer(
+        Transformer(config),
+        optimizers.make_optimizer,
+        optimizers.learning_rate_schedule(),
+        partitioning.make_mesh(data=2, model=4),
+        partitioning.logical_axis_rules(),
+        (8, 16),
+        seed=0,
+    )
+    params = step_fns.layout.abstract.params
+    stacks = partitioning.stacked_axes(
+        train_state.abstract_boxed_params(Transformer(config), step_fns.example)
+    )
+    assert jax.tree.leaves(stacks["layers"]) == [1] * len(jax.tree.leaves(params["layers"]))
+    expected = sum(
+        p.shape[0] if k else 1
+        for p, k in zip(jax.tree.leaves(params), jax.tree.leaves(stacks), strict=True)
+        if p.ndim - k >= 2
+    )
+    state = step_fns.init_state(0)
+    (diag,) = [
+        leaf
+        for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+        if jax.tree_util.keystr(path).endswith(".diag")
+    ]
+    assert diag.shape == (expected,)
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (8, 17), dtype=np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": np.ones((8, 16))}
+    for _ in range(2):
+        state, metrics = step_fns.step(state, batch)
+    assert np.isfinite(float(metrics["loss"]))

@@ -13,6 +13,7 @@ from sonew_pax.models.transformer import (
     flops_per_token,
     init_cache,
     rotary_embedding,
+    unstack_layers,
 )
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "init_cache",
     "llama",
     "rotary_embedding",
+    "unstack_layers",
 ]

@@ -27,7 +27,7 @@ import numpy as np
 
 from sonew_pax import safetensors_io
 from sonew_pax.errors import ConfigError
-from sonew_pax.models.transformer import TransformerConfig
+from sonew_pax.models.transformer import TransformerConfig, unstack_layers
 
 # The settings a Llama model needs, and what each must be.
 _REQUIRED = {"mlp_activation": "swiglu", "positions": "rotary"}
@@ -105,6 +105,7 @@ def llama_tensors(params: Mapping[str, Any], config: TransformerConfig) -> dict[
       tied (``tie_word_embeddings`` says so).
     """
     check_exportable(config)
+    params = unstack_layers(params, config)
     tensors = {"model.embed_tokens.weight": np.asarray(params["embedding"])}
     for i in range(config.num_layers):
         layer = params[f"layer_{i}"]

@@ -4,7 +4,7 @@ Depends on jax and optax only.
 """
 
 from sonew_pax.optim.kernels import KernelConfig
-from sonew_pax.optim.sharding import specs_of, state_partition_specs
+from sonew_pax.optim.sharding import specs_of, stack_counts, state_partition_specs
 from sonew_pax.optim.sonew import (
     DEFAULT_DAMPING,
     DEFAULT_EPS,
@@ -33,5 +33,6 @@ __all__ = [
     "scale_by_sonew",
     "sonew",
     "specs_of",
+    "stack_counts",
     "state_partition_specs",
 ]
