@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 from sonew_pax import optimizers, partitioning, trainer
 from sonew_pax.models import Transformer, TransformerConfig, unstack_layers
-from sonew_pax.optim import sonew
+from sonew_pax.optim import kernels, sonew
 from sonew_pax.train_state import TrainState
 from tests.test_sonew_sharded import make_mesh, run
 
@@ -187,3 +187,22 @@ def test_scanned_model_trains_as_the_unscanned_one():
     _assert_close(
         flat[0], dict(jax.tree_util.tree_leaves_with_path(unstack_layers(finals[0], config))), 1e-5
     )
+
+
+def test_kernels_take_the_whole_tensors_beside_stacks(x64, monkeypatch):
+    """With the kernels on (in Pallas' interpreter here), the tensors that are not stacked run
+    them and the stacks their XLA step, in one update: the same numbers as XLA's alone."""
+    params, grads = _problem()
+    kwargs = dict(band=1, stats_dtype=jnp.float64, stacked_axes=STACKS)
+    expect, _ = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    on_kernels, real = [], kernels.group_update
+
+    def spy(gs, *args, **kw):
+        on_kernels.extend(g.shape for g in gs)
+        return real(gs, *args, **kw)
+
+    monkeypatch.setattr(kernels, "group_update", spy)
+    got, _ = run(sonew(0.1, implementation="pallas", **kwargs), params, grads)
+    assert set(on_kernels) == {SHAPES["x"][0]}
+    for e_step, g_step in zip(expect, got, strict=True):
+        _assert_close(e_step, g_step, 1e-11)
