@@ -65,13 +65,16 @@ def test_unset_macro_fails_naming_it():
         train.parse_gin(["tiny.gin"], [], [])
 
 
-@pytest.mark.parametrize("name", OPTIMIZER_FILES)
-def test_optimizer_state_is_sharded_like_its_parameters(name):
-    train.parse_gin(["runs/pretrain.gin", "models/tiny.gin", name],
-                    ['MODEL_DIR = "/tmp/unused"', "TRAIN_STEPS = 2000",
-                     "adafactor.min_dim_size_to_factor = 1024"], [])  # fmt: skip
-    step_fns = trainer.Trainer(
-        Transformer(gin.query_parameter("train.model_config").scoped_configurable_fn()),
+def _configured_model():
+    """The parsed gin files' ``train.model_config``."""
+    return gin.query_parameter("train.model_config").scoped_configurable_fn()
+
+
+def _configured_trainer(config) -> trainer.Trainer:
+    """A Trainer of ``config``'s model and the parsed gin files' optimizer and schedule, on a 2 x 4
+    mesh with a global batch of 8 x 16."""
+    return trainer.Trainer(
+        Transformer(config),
         optimizers.make_optimizer,
         optimizers.learning_rate_schedule(),
         partitioning.make_mesh(data=2, model=4),
@@ -79,6 +82,14 @@ def test_optimizer_state_is_sharded_like_its_parameters(name):
         (8, 16),
         seed=0,
     )
+
+
+@pytest.mark.parametrize("name", OPTIMIZER_FILES)
+def test_optimizer_state_is_sharded_like_its_parameters(name):
+    train.parse_gin(["runs/pretrain.gin", "models/tiny.gin", name],
+                    ['MODEL_DIR = "/tmp/unused"', "TRAIN_STEPS = 2000",
+                     "adafactor.min_dim_size_to_factor = 1024"], [])  # fmt: skip
+    step_fns = _configured_trainer(_configured_model())
     layout = step_fns.layout
     params = jax.tree_util.tree_leaves_with_path(layout.abstract.params)
     param_specs = jax.tree.leaves(layout.specs.params, is_leaf=_is_spec)
@@ -167,16 +178,8 @@ def test_scanned_model_trains_sharded_with_sonew_per_layer():
     train.parse_gin(["runs/pretrain.gin", "models/tiny.gin", "optimizers/sonew_tridiag.gin"],
                     ['MODEL_DIR = "/tmp/unused"', "TRAIN_STEPS = 2000",
                      "TransformerConfig.scan_layers = True"], [])  # fmt: skip
-    config = gin.query_parameter("train.model_config").scoped_configurable_fn()
-    step_fns = trainer.Trainer(
-        Transformer(config),
-        optimizers.make_optimizer,
-        optimizers.learning_rate_schedule(),
-        partitioning.make_mesh(data=2, model=4),
-        partitioning.logical_axis_rules(),
-        (8, 16),
-        seed=0,
-    )
+    config = _configured_model()
+    step_fns = _configured_trainer(config)
     params = step_fns.layout.abstract.params
     stacks = partitioning.stacked_axes(
         train_state.abstract_boxed_params(Transformer(config), step_fns.example)
