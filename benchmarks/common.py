@@ -244,7 +244,13 @@ def lm_set_result(args: argparse.Namespace, params: int, **config: Any) -> dict:
         "device": device_name(),
         "date": utc_date(),
         "params": params,
-        "config": {"scale": args.scale, "layers": args.layers, **config, **run_config(args)},
+        "config": {
+            "scale": args.scale,
+            "layers": args.layers,
+            "stack_layers": getattr(args, "stack_layers", False),
+            **config,
+            **run_config(args),
+        },
         "rows": [],
     }
 

@@ -136,7 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_optimizers_arg(
         p, updates.OPTIMIZERS, "adamw,sonew_tridiag,sonew_tridiag_pallas,sonew_band4_pallas"
     )
-    lm_shapes.add_args(p)
+    lm_shapes.add_args(p, stack_layers=True)
     p.add_argument(
         "--gpu_target_config",
         default=None,

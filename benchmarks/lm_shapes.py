@@ -4,7 +4,9 @@ At ``scale=1`` it is about 335M parameters in the shapes of a 24-layer, 1024-wid
 four (1024, 1024) attention projections, a (1024, 4096) and a (4096, 1024) MLP kernel and two
 (1024,) norm scales, plus a (32000, 1024) token embedding and a final norm. ``scale`` shrinks every
 width (multiples of 8 are kept, so the tensors still split over up to 8 shards) and ``layers`` the
-depth, for CPU smoke runs.
+depth, for CPU smoke runs. ``stacked`` gives each per-layer tensor once, stacked over the layers
+on a leading axis (``STACKED``), as a model with ``scan_layers`` holds them; ``stacked_axes`` says
+so to SONew.
 
 Specs: ``megatron_specs`` shards over ``model`` the usual tensor-parallel way: the attention input
 projections and the MLP's first kernel by output column, the attention output and the MLP's
@@ -37,6 +39,10 @@ def _width(size: int, scale: float) -> int:
     return max(8, 8 * round(size * scale / 8))
 
 
+# The key of the stacked layers' tensors (``lm_shapes(stacked=True)``).
+STACKED = "layers"
+
+
 def lm_shapes(
     scale: float = 1.0,
     layers: int = 24,
@@ -44,17 +50,24 @@ def lm_shapes(
     mlp_dim: int = 4096,
     vocab: int = 32000,
     dtype=jnp.float32,
+    stacked: bool = False,
 ) -> dict:
     """A nested dict of ``jax.ShapeDtypeStruct``: the LM-shaped parameter set (module docstring)."""
     sizes = {"d": _width(d_model, scale), "f": _width(mlp_dim, scale)}
     tree = {"embedding": jax.ShapeDtypeStruct((_width(vocab, scale), sizes["d"]), dtype)}
-    for i in range(layers):
-        tree[f"layer_{i:02d}"] = {
-            name: jax.ShapeDtypeStruct(tuple(sizes[k] for k in kinds), dtype)
+    lead = (layers,) if stacked else ()
+    for i in range(1 if stacked else layers):
+        tree[STACKED if stacked else f"layer_{i:02d}"] = {
+            name: jax.ShapeDtypeStruct(lead + tuple(sizes[k] for k in kinds), dtype)
             for name, kinds, _ in _LAYER
         }
     tree["final_norm"] = jax.ShapeDtypeStruct((sizes["d"],), dtype)
     return tree
+
+
+def stacked_axes(tree) -> dict:
+    """SONew's ``stacked_axes`` of a set from :func:`lm_shapes`: 1 for the stacked layers."""
+    return {key: int(key == STACKED) for key in tree}
 
 
 def count(tree) -> int:
@@ -103,8 +116,9 @@ def random_tree(tree, key: jax.Array, std: float = 1.0, device=None) -> dict:
     return jax.tree.unflatten(treedef, [sample(i, leaf) for i, leaf in enumerate(leaves)])
 
 
-def add_args(parser: argparse.ArgumentParser) -> None:
-    """Adds ``--scale`` and ``--layers`` (the tensor set's size) to a benchmark's parser."""
+def add_args(parser: argparse.ArgumentParser, stack_layers: bool = False) -> None:
+    """Adds ``--scale`` and ``--layers`` (the tensor set's size) to a benchmark's parser, and
+    ``--stack_layers`` where the benchmark gives SONew the set's :func:`stacked_axes`."""
     parser.add_argument(
         "--scale",
         type=float,
@@ -112,8 +126,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="width multiplier of the LM-shaped tensors (1: ~335M parameters)",
     )
     parser.add_argument("--layers", type=int, default=24, help="number of layers")
+    if not stack_layers:
+        return
+    parser.add_argument(
+        "--stack_layers",
+        action="store_true",
+        help="each layer tensor once, stacked over the layers (as nn.scan holds them); SONew "
+        "takes them with stacked_axes",
+    )
 
 
 def from_args(args: argparse.Namespace) -> dict:
-    """``lm_shapes`` for the parsed ``--scale`` and ``--layers``."""
-    return lm_shapes(scale=args.scale, layers=args.layers)
+    """``lm_shapes`` for the parsed ``--scale``, ``--layers`` and ``--stack_layers``."""
+    stacked = getattr(args, "stack_layers", False)
+    return lm_shapes(scale=args.scale, layers=args.layers, stacked=stacked)

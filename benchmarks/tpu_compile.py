@@ -162,7 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         updates.OPTIMIZERS,
         "adamw,sonew_diag,sonew_tridiag,sonew_tridiag_pallas,sonew_band4,sonew_band4_pallas",
     )
-    lm_shapes.add_args(p)
+    lm_shapes.add_args(p, stack_layers=True)
     p.add_argument("--topology", default="v5e:2x2", help="TPU topology compiled for (one chip)")
     common.add_out_arg(p, "tpu_compile")
     return p.parse_args(argv)

@@ -1,5 +1,8 @@
 """Speed of one optimizer update on ~335M LM-shaped parameters: SONew against optax.adamw.
 
+``--stack_layers`` updates the same set with each layer tensor stacked over the layers (as a model
+with ``scan_layers`` holds them), SONew told so (``stacked_axes``).
+
 What is timed: ``params, state = update(params, state, grads)`` where ``update`` is
 ``optim.apply_gradients(tx, grads, state, params)`` in one jitted function whose params and
 optimizer state are donated (updated in place): for AdamW and most SONew rows
@@ -205,7 +208,7 @@ def add_ratios(rows: list[dict]) -> list[dict]:
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = common.argument_parser(__doc__)
-    lm_shapes.add_args(p)
+    lm_shapes.add_args(p, stack_layers=True)
     common.add_optimizers_arg(p, updates.OPTIMIZERS, ",".join(updates.OPTIMIZERS))
     common.add_timing_args(p, warmup=5, iters=50)
     common.add_kernel_arg(p)
@@ -235,7 +238,8 @@ def main(argv=None) -> dict:
     copy_bytes = floor_bytes(shapes, jax.eval_shape(updates.make_optimizer("adamw").init, shapes))
     rows = [make_row("copy", Timing(*time_copy(copy_bytes, args), copy_bytes), n)]
     for name in args.optimizers:
-        tx = updates.make_optimizer(name, common.kernel_config(args))
+        stacks = lm_shapes.stacked_axes(shapes)
+        tx = updates.make_optimizer(name, common.kernel_config(args), stacks)
         timing = time_optimizer(tx, shapes, grads, args, args.profile_steps)
         rows.append(make_row(name, timing, n))
         print(f"{name}: {timing.ms:.3f} ms", flush=True)

@@ -47,14 +47,16 @@ WEIGHT_DECAY = 0.1
 
 
 def make_optimizer(
-    name: str, kernel_config: optim.KernelConfig | None = None
+    name: str, kernel_config: optim.KernelConfig | None = None, stacked_axes=None
 ) -> optax.GradientTransformation:
     """The optimizer called ``name`` (see OPTIMIZERS); SONew's kernels tuned by
-    ``kernel_config`` (default: ``optim.KernelConfig()``)."""
+    ``kernel_config`` (default: ``optim.KernelConfig()``), its ``stacked_axes`` as given."""
     if name == "adamw":
         return optax.adamw(LEARNING_RATE, b1=0.9, b2=0.95, weight_decay=WEIGHT_DECAY)
     kwargs = SONEW_VARIANTS[name] | {"kernel_config": kernel_config or optim.KernelConfig()}
-    return optim.sonew(LEARNING_RATE, weight_decay=WEIGHT_DECAY, **kwargs)
+    return optim.sonew(
+        LEARNING_RATE, weight_decay=WEIGHT_DECAY, stacked_axes=stacked_axes, **kwargs
+    )
 
 
 def make_update(
@@ -83,7 +85,8 @@ def lowered_update(name: str, shapes, sharding, platform: str) -> jax.stages.Low
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree
         )
 
-    tx = make_optimizer(name, optim.KernelConfig(platform=platform, interpret=False))
+    config = optim.KernelConfig(platform=platform, interpret=False)
+    tx = make_optimizer(name, config, lm_shapes.stacked_axes(shapes))
     params, state = placed(shapes), placed(jax.eval_shape(tx.init, shapes))
     return make_update(tx).trace(params, state, params).lower()
 

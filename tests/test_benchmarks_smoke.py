@@ -141,9 +141,9 @@ def test_update_speed_schema(tmp_path, monkeypatch):
     built = []
     make = updates.make_optimizer
 
-    def spy(name, config=None):
+    def spy(name, config=None, stacked_axes=None):
         built.append((name, config and config.banded_min_rows))  # None: the copy's AdamW bytes
-        return make(name, config)
+        return make(name, config, stacked_axes)
 
     monkeypatch.setattr(updates, "make_optimizer", spy)
     written = _read(out, update_speed.main([*argv, "--out", str(out)]))
@@ -650,3 +650,21 @@ def test_tpu_compile_counts_what_the_schedule_moves_through_hbm():
     }
     assert total == sum(by_opcode.values())
     assert common.hlo_arrays("(f32[2,3]{1,0:T(2,128)S(1)}, bf16[4]{0})") == [(24, 1), (8, 0)]
+
+
+def test_update_speed_with_stacked_layers(tmp_path, monkeypatch):
+    """``--stack_layers``: the set's layers stacked, and SONew told so (its stacked axes)."""
+    given = []
+    make = updates.make_optimizer
+
+    def spy(name, config=None, stacked_axes=None):
+        given.append(stacked_axes)
+        return make(name, config, stacked_axes)
+
+    monkeypatch.setattr(updates, "make_optimizer", spy)
+    out = tmp_path / "update_speed.json"
+    argv = [*TINY, "--stack_layers", "--optimizers", "sonew_tridiag", "--warmup", "1"]
+    written = _read(out, update_speed.main([*argv, "--iters", "2", "--out", str(out)]))
+    assert written["config"]["stack_layers"] is True
+    assert given[-1] == {"embedding": 0, "layers": 1, "final_norm": 0}
+    assert [r["optimizer"] for r in written["rows"]] == ["copy", "sonew_tridiag"]
