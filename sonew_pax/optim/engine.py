@@ -303,6 +303,11 @@ def _leaf_steps(
     for k, (g, lay, ei, apply) in enumerate(zip(grads, layouts, e, applies, strict=True)):
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
+        elif _stack_on_kernel(kernels, lay, _band(ei), hyper):
+            stats = None if vector is None else vector[slots[k] : slots[k] + lay.layers]
+            steps[k] = _stacked_kernel_step(
+                g, m[k], d[k], ei, corrections, hyper, lay, edges[k], kernels, stats
+            )
         elif lay.stack:
             steps[k] = _stacked_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k])
         else:
@@ -349,11 +354,7 @@ def _stacked_step(
     (:func:`_edges`)."""
     n, k, layer = layout.layers, layout.stack, layout.layer
     band = _band(e)
-    rows = None
-    if edge is not None:
-        before, after = halo_width(band)
-        per = (3 + band) * (before + after) * math.prod(g.shape[k + 1 :])
-        rows = edge.buffer[edge.index * per : (edge.index + n) * per].reshape(n, per)
+    rows = _stack_edge_rows(edge, band, g.shape[k:], n)
     # A relative damping's eps, one per stacked tensor (_leaf_steps), where it has a chain.
     relative = jnp.ndim(hyper.eps) == 1
 
@@ -368,6 +369,72 @@ def _stacked_step(
     )(*(_stack_flat(x, k) for x in (g, m, d)), e_in, rows, hyper.eps if relative else None)
     e_new = e_new if band == 0 else e_new.reshape(e.shape)
     return u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
+
+
+def _stacked_kernel_step(
+    g: jax.Array,
+    m: jax.Array,
+    d: jax.Array,
+    e: Any,
+    corrections,
+    hyper: Hyper,
+    layout: ChainLayout,
+    edge: pallas.Edges | None,
+    kernels: KernelConfig,
+    stats: jax.Array | None,
+) -> tuple:
+    """:func:`_stacked_step` on the GPU kernels (:func:`_stack_on_kernel`): one tensor's halo
+    copies and step kernel (``kernels.gather_halos``, ``kernels.group_update``), vectorized over
+    the stacked tensors, which adds a grid axis over them to each launch: one compiled program per
+    stack, however many tensors it holds. ``stats`` are a relative damping's statistics of the
+    stacked tensors (the kernel scales ``eps`` from them), else ``None``."""
+    n, k = layout.layers, layout.stack
+    band = _band(e)
+    interpret = _interpret(kernels)
+    shape = g.shape[k:]
+
+    def one(g, m, d, e, rows, stat):
+        halos = edges = None
+        if band:
+            halos = [
+                tuple(
+                    pallas.gather_halos(
+                        [m, d, e], band=band, shapes=[shape] * 3, interpret=interpret,
+                        config=kernels,
+                    )
+                )
+            ]  # fmt: skip
+            edges = [pallas.Edges(rows, 0)]
+        (result,) = pallas.group_update(
+            [g], [m], [d], [e], corrections, hyper, interpret=interpret, halos=halos,
+            edges=edges, diag=None if stat is None else (stat, [0]), config=kernels,
+        )  # fmt: skip
+        return result
+
+    e_in = e if band == 0 else _stack_flat(e, k, lead=1)
+    rows = _stack_edge_rows(edge, band, shape, n)
+    u, m_new, d_new, e_new, pairs = jax.vmap(
+        one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=(0, 0, 0, 1, 0)
+    )(
+        *(_stack_flat(x, k) for x in (g, m, d)),
+        e_in,
+        rows,
+        None if stats is None else stats[:, None],
+    )
+    e_new = e_new if band == 0 else e_new.reshape(e.shape)
+    return u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
+
+
+def _stack_edge_rows(
+    edge: pallas.Edges | None, band: int, shape: tuple[int, ...], n: int
+) -> jax.Array | None:
+    """The edges of a stack's ``n`` tensors of local ``shape`` (``(n, 3 + b, rows, *shape[1:])``
+    flattened per tensor), which follow its first's in its ``edge``'s buffer (:func:`_edges`)."""
+    if edge is None:
+        return None
+    before, after = halo_width(band)
+    per = (3 + band) * (before + after) * math.prod(shape[1:])
+    return edge.buffer[edge.index * per : (edge.index + n) * per].reshape(n, per)
 
 
 def _stack_flat(x: jax.Array, stack: int, lead: int = 0) -> jax.Array:
@@ -423,6 +490,14 @@ def _platform(kernels: KernelConfig) -> str:
     if kernels.platform is not None:
         return kernels.platform
     return "tpu" if jax.default_backend() == "tpu" else "gpu"
+
+
+def _stack_on_kernel(
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+) -> bool:
+    """Whether :func:`_leaf_steps` runs a stack's steps as GPU kernels
+    (:func:`_stacked_kernel_step`): the kernels take each of its tensors."""
+    return bool(layout.stack) and _on_kernel(kernels, layout.layer, band, hyper)
 
 
 def _on_tpu_kernel(
@@ -503,7 +578,9 @@ def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> li
         band = _band(ei)
         if band == 0 or not _has_chain(lay, hyper):
             continue
-        kernel = _on_any_kernel(kernels, lay, band, hyper)
+        kernel = _on_any_kernel(kernels, lay, band, hyper) or _stack_on_kernel(
+            kernels, lay, band, hyper
+        )
         if kernel or band == 1 or _extends(grads[k].shape[lay.stack], lay.layer, band):
             groups.setdefault((lay.layer, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
     programs = [
