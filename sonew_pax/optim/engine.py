@@ -13,8 +13,10 @@ per shard) the step runs
   ``edges``, :func:`_on_extended_block`); on a TPU, where the kernels are enabled for it, bands
   1 and wider as Mosaic kernels (``kernels.tpu``) with the same ``edges``.
 
-A parameter that stacks tensors (``ChainLayout.stack``, flax's ``nn.scan``) steps on XLA as one
-vectorized step of its tensors (:func:`_stacked_step`), their edges in its group's exchange.
+A parameter that stacks tensors (``ChainLayout.stack``, flax's ``nn.scan``) steps as one
+vectorized step of its tensors: on XLA (:func:`_stacked_step`), or on the GPU kernels, a grid axis
+over its tensors per launch (:func:`_stacked_kernel_step`); its edges travel in its group's
+exchange.
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one

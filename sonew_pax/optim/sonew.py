@@ -290,7 +290,7 @@ def scale_by_sonew(
         ratio; the state keeps a number per stacked tensor), so a stacked model's update equals
         the unstacked one's, and its step is traced and fused once per stack, not once per
         tensor: a stacked model compiles its update in a fraction of the time. The stacked axes
-        may not be sharded. On GPU, stacked tensors step on XLA (the kernels take whole tensors).
+        may not be sharded. On GPU a stack runs the kernels vectorized over its tensors.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
