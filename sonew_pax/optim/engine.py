@@ -14,9 +14,8 @@ per shard) the step runs
   1 and wider as Mosaic kernels (``kernels.tpu``) with the same ``edges``.
 
 A parameter that stacks tensors (``ChainLayout.stack``, flax's ``nn.scan``) steps as one
-vectorized step of its tensors: on XLA (:func:`_stacked_step`), or on the GPU kernels, a grid axis
-over its tensors per launch (:func:`_stacked_kernel_step`); its edges travel in its group's
-exchange.
+vectorized step of its tensors (:func:`_stacked_step`): on XLA, or on the GPU kernels, a grid axis
+over its tensors per launch; its edges travel in its group's exchange.
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one
@@ -307,7 +306,7 @@ def _leaf_steps(
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         elif _stack_on_kernel(kernels, lay, _band(ei), hyper):
             stats = None if vector is None else vector[slots[k] : slots[k] + lay.layers]
-            steps[k] = _stacked_kernel_step(
+            steps[k] = _stacked_step(
                 g, m[k], d[k], ei, corrections, hyper, lay, edges[k], kernels, stats
             )
         elif lay.stack:
@@ -346,66 +345,42 @@ def _stacked_step(
     hyper: Hyper,
     layout: ChainLayout,
     edge: pallas.Edges | None,
+    kernels: KernelConfig | None = None,
+    stats: jax.Array | None = None,
 ) -> tuple:
     """The step of a tensor whose leading ``layout.stack`` dimensions stack tensors (a layer axis):
-    :func:`_leaf_step` of each of them, vectorized (``jax.vmap``) over those dimensions flattened
-    into one, so the stack is traced and fused once, not once per tensor. Each stacked tensor has
-    its own chain, its own damping (``hyper.eps`` holds one per tensor with a relative damping)
-    and, from :func:`_norm_results`, its own graft ratio: the norm pairs come as ``(layers, pairs,
-    tiles)``. ``edge`` is that of the first stacked tensor; the others' follow it in its buffer
-    (:func:`_edges`)."""
+    each stacked tensor's step, vectorized (``jax.vmap``) over those dimensions flattened into one,
+    so the stack is traced and compiled once, not once per tensor. Each stacked tensor has its own
+    chain, its own damping and, from :func:`_norm_results`, its own graft ratio: the norm pairs
+    come as ``(layers, pairs, tiles)``. ``edge`` is that of the first stacked tensor; the others'
+    follow it in its buffer (:func:`_edges`).
+
+    On XLA (``kernels`` None) the step is :func:`_leaf_step`'s, ``hyper.eps`` holding one per
+    stacked tensor with a relative damping. With ``kernels`` (:func:`_stack_on_kernel`) it is one
+    tensor's halo copies and step kernel (``kernels.gather_halos``, ``kernels.group_update``),
+    which the vectorization turns into launches with a grid axis over the stacked tensors: one
+    compiled program per stack; ``stats`` are then a relative damping's statistics of the stacked
+    tensors (the kernel scales ``eps`` from them), else ``None``."""
     n, k, layer = layout.layers, layout.stack, layout.layer
     band = _band(e)
-    rows = _stack_edge_rows(edge, band, g.shape[k:], n)
-    # A relative damping's eps, one per stacked tensor (_leaf_steps), where it has a chain.
-    relative = jnp.ndim(hyper.eps) == 1
+    interpret = _interpret(kernels)
 
-    def one(g, m, d, e, rows, eps):
-        here = hyper._replace(eps=eps) if relative else hyper
+    def on_xla(g, m, d, e, rows, eps):
+        here = hyper if eps is None else hyper._replace(eps=eps)
         edge = None if rows is None else pallas.Edges(rows, 0)
         return _leaf_step(g, m, d, e, corrections, here, layer, edge)
 
-    e_in = e if band == 0 else _stack_flat(e, k, lead=1)
-    u, m_new, d_new, e_new, pairs = jax.vmap(
-        one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=(0, 0, 0, 1, 0)
-    )(*(_stack_flat(x, k) for x in (g, m, d)), e_in, rows, hyper.eps if relative else None)
-    e_new = e_new if band == 0 else e_new.reshape(e.shape)
-    return u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
-
-
-def _stacked_kernel_step(
-    g: jax.Array,
-    m: jax.Array,
-    d: jax.Array,
-    e: Any,
-    corrections,
-    hyper: Hyper,
-    layout: ChainLayout,
-    edge: pallas.Edges | None,
-    kernels: KernelConfig,
-    stats: jax.Array | None,
-) -> tuple:
-    """:func:`_stacked_step` on the GPU kernels (:func:`_stack_on_kernel`): one tensor's halo
-    copies and step kernel (``kernels.gather_halos``, ``kernels.group_update``), vectorized over
-    the stacked tensors, which adds a grid axis over them to each launch: one compiled program per
-    stack, however many tensors it holds. ``stats`` are a relative damping's statistics of the
-    stacked tensors (the kernel scales ``eps`` from them), else ``None``."""
-    n, k = layout.layers, layout.stack
-    band = _band(e)
-    interpret = _interpret(kernels)
-    shape = g.shape[k:]
-
-    def one(g, m, d, e, rows, stat):
+    def on_kernels(g, m, d, e, rows, stat):
         halos = edges = None
         if band:
+            shapes = [g.shape] * 3
             halos = [
                 tuple(
                     pallas.gather_halos(
-                        [m, d, e], band=band, shapes=[shape] * 3, interpret=interpret,
-                        config=kernels,
+                        [m, d, e], band=band, shapes=shapes, interpret=interpret, config=kernels
                     )
                 )
-            ]  # fmt: skip
+            ]
             edges = [pallas.Edges(rows, 0)]
         (result,) = pallas.group_update(
             [g], [m], [d], [e], corrections, hyper, interpret=interpret, halos=halos,
@@ -413,16 +388,16 @@ def _stacked_kernel_step(
         )  # fmt: skip
         return result
 
+    if kernels is None:
+        # A relative damping's eps, one per stacked tensor (_leaf_steps), where it has a chain.
+        one, per_tensor = on_xla, hyper.eps if jnp.ndim(hyper.eps) == 1 else None
+    else:
+        one, per_tensor = on_kernels, None if stats is None else stats[:, None]
+    rows = _stack_edge_rows(edge, band, g.shape[k:], n)
     e_in = e if band == 0 else _stack_flat(e, k, lead=1)
-    rows = _stack_edge_rows(edge, band, shape, n)
     u, m_new, d_new, e_new, pairs = jax.vmap(
         one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=(0, 0, 0, 1, 0)
-    )(
-        *(_stack_flat(x, k) for x in (g, m, d)),
-        e_in,
-        rows,
-        None if stats is None else stats[:, None],
-    )
+    )(*(_stack_flat(x, k) for x in (g, m, d)), e_in, rows, per_tensor)
     e_new = e_new if band == 0 else e_new.reshape(e.shape)
     return u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
 
@@ -497,8 +472,8 @@ def _platform(kernels: KernelConfig) -> str:
 def _stack_on_kernel(
     kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
 ) -> bool:
-    """Whether :func:`_leaf_steps` runs a stack's steps as GPU kernels
-    (:func:`_stacked_kernel_step`): the kernels take each of its tensors."""
+    """Whether :func:`_leaf_steps` runs a stack's steps as GPU kernels (:func:`_stacked_step`):
+    the kernels take each of its tensors."""
     return bool(layout.stack) and _on_kernel(kernels, layout.layer, band, hyper)
 
 
