@@ -25,6 +25,9 @@ from sonew_pax.errors import ConfigError
 
 MESH_AXES = ("replica", "data", "model")
 
+# The logical axis of a parameter's stacked layers (a model's `scan_layers`): `stacked_axes`.
+LAYERS = "layers"
+
 # Logical axis name -> mesh axis (or tuple of mesh axes, or None for replicated).
 DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("batch", ("replica", "data")),
@@ -34,10 +37,8 @@ DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("embed", None),
     ("kv", None),
     ("length", None),
-    ("layers", None),  # stacked layers (LAYERS): SONew needs them whole
+    (LAYERS, None),  # SONew needs each stacked layer whole
 )
-# The logical axis of a parameter's stacked layers (a model's `scan_layers`): `stacked_axes`.
-LAYERS = "layers"
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 

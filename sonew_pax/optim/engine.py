@@ -305,7 +305,7 @@ def _leaf_steps(
         if _on_kernel(kernels, lay, _band(ei), hyper):
             groups.setdefault(pallas.launch_key(g, m[k], d[k], ei, apply), []).append(k)
         elif _stack_on_kernel(kernels, lay, _band(ei), hyper):
-            stats = None if vector is None else vector[slots[k] : slots[k] + lay.layers]
+            stats = None if vector is None else _slot_values(vector, slots[k], lay, flat=True)
             steps[k] = _stacked_step(
                 g, m[k], d[k], ei, corrections, hyper, lay, edges[k], kernels, stats
             )
