@@ -3,7 +3,7 @@
 The tests' programs are small and run a few steps, so they are compiled for compile time, not run
 time: backend level 0 skips LLVM's optimisations (about a third of the suite's time), and the CPU
 backend's older loop emitters compile the SONew updates' many small fusions faster than its MLIR
-fusion emitters (a sharded-update test: 16 s against 27).
+fusion emitters (docs/performance.md, "The test suite's compile").
 """
 
 FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
