@@ -138,6 +138,8 @@ def test_bad_stacked_axes_are_named():
         ValueError, match=r"stacked_axes of \['b'\] is 2, but the parameter has rank 1"
     ):
         sonew(0.1, stacked_axes={"w": 1, "b": 2}).init(params)
+    with pytest.raises(ValueError, match=r"stacked_axes of \['w'\] must be an int .*, got 1.5"):
+        sonew(0.1, stacked_axes={"w": 1.5, "b": 0}).init(params)
     with pytest.raises(ValueError, match="stacked_axes must be a prefix"):
         sonew(0.1, stacked_axes={"w": 1}).init(params)
     mesh = make_mesh((2, 4))

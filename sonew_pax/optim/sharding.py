@@ -201,7 +201,14 @@ def stack_counts(stacked_axes: Any, tree: Any) -> Any:
                 "stacked_axes must be concrete: it decides how the update is laid out. Under "
                 "optax.inject_hyperparams, keep it static: static_args=('stacked_axes',)."
             )
-        count = int(count)
+        value = np.asarray(count)
+        integral = value.dtype == bool or np.issubdtype(value.dtype, np.integer)
+        if value.ndim or not integral:
+            raise ValueError(
+                f"stacked_axes of {jax.tree_util.keystr(path)} must be an int (or bool), got "
+                f"{count!r}."
+            )
+        count = int(value)
         if not 0 <= count <= len(jax.numpy.shape(leaf)):
             raise ValueError(
                 f"stacked_axes of {jax.tree_util.keystr(path)} is {count}, but the parameter has "
