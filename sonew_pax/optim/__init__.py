@@ -13,6 +13,7 @@ from sonew_pax.optim.sonew import (
     ScaleBySONewDampedState,
     ScaleBySONewLagState,
     ScaleBySONewState,
+    StackedByShapeState,
     scale_by_sonew,
     sonew,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ScaleBySONewDampedState",
     "ScaleBySONewLagState",
     "ScaleBySONewState",
+    "StackedByShapeState",
     "apply_gradients",
     "chain",
     "scale_by_sonew",

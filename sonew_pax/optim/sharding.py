@@ -26,6 +26,7 @@ from sonew_pax.optim.state import (
     ScaleBySONewDampedState,
     ScaleBySONewLagState,
     ScaleBySONewState,
+    StackedByShapeState,
 )
 
 
@@ -392,6 +393,9 @@ def _sonew_specs(node: Any, param_specs: Any) -> Any:
 
 def _state_specs(node: Any, param_specs: Any) -> Any:
     replicated = lambda tree: jax.tree.map(lambda _: P(), tree)  # noqa: E731
+    if isinstance(node, StackedByShapeState):
+        entries = node.grouping.specs(param_specs)
+        return StackedByShapeState(_state_specs(node.inner, entries), node.grouping)
     if isinstance(node, ScaleBySONewDampedState):
         specs = _sonew_specs(node, param_specs)
         return ScaleBySONewDampedState(*specs, replicated(node.ratio), P())

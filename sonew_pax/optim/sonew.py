@@ -38,6 +38,8 @@ References:
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from sonew_pax.optim import grouping as grouping_lib
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import sharding
 from sonew_pax.optim.chain import ChainLayout
@@ -61,6 +64,7 @@ from sonew_pax.optim.state import (
     ScaleBySONewDampedState,
     ScaleBySONewLagState,
     ScaleBySONewState,
+    StackedByShapeState,
 )
 from sonew_pax.optim.transform import GradientTransformationWithApply
 
@@ -212,6 +216,7 @@ def scale_by_sonew(
     kernel_config: KernelConfig = pallas.DEFAULT,
     damping: str = DEFAULT_DAMPING,
     stacked_axes: Any = None,
+    stack_by_shape: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -291,6 +296,13 @@ def scale_by_sonew(
         the unstacked one's, and its step is traced and fused once per stack, not once per
         tensor: a stacked model compiles its update in a fraction of the time. The stacked axes
         may not be sharded. On GPU a stack runs the kernels vectorized over its tensors.
+      stack_by_shape: store the state of the parameters that share a shape, dtype, stacking and
+        layout stacked, and step each such set as one stack (``stacked_axes``'s way), which makes
+        a model that keeps its layers apart compile, launch and dispatch its update as a stacked
+        one does; each step stacks their gradients (a copy of ``g``) (:mod:`grouping`). The
+        update equals the unstacked one; the state is a :class:`grouping.StackedByShapeState`.
+        ``apply`` then adds the update as ``optax.apply_updates`` would (no fused apply).
+        Structural: with ``optax.inject_hyperparams`` pass it in ``static_args``.
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
@@ -319,6 +331,21 @@ def scale_by_sonew(
     hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d, damping)
     mesh, param_specs = sharding.as_specs(param_specs, mesh)
     _validate(hyper, graft_lag, mesh, param_specs)
+    if not isinstance(stack_by_shape, bool):
+        raise ValueError(
+            f"stack_by_shape must be a bool, got {stack_by_shape!r}: it decides the state's "
+            "layout. Under optax.inject_hyperparams, keep it static: "
+            "static_args=('stack_by_shape',)."
+        )
+    if stack_by_shape:
+        entry = functools.partial(
+            scale_by_sonew, b1=b1, b2=b2, eps=eps, band=band, gamma=gamma, graft=graft,
+            graft_eps=graft_eps, precondition_1d=precondition_1d, stats_dtype=stats_dtype,
+            mesh=mesh, mu_dtype=mu_dtype, offdiag_dtype=offdiag_dtype,
+            implementation=implementation, graft_lag=graft_lag, kernel_config=kernel_config,
+            damping=damping,
+        )  # fmt: skip
+        return _stacked_by_shape(entry, stacked_axes, param_specs)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
@@ -415,6 +442,42 @@ def scale_by_sonew(
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
 
 
+def _stacked_by_shape(
+    entry: Callable[..., GradientTransformationWithApply], stacked_axes: Any, param_specs: Any
+) -> GradientTransformationWithApply:
+    """``scale_by_sonew(stack_by_shape=True)``: ``entry`` (``scale_by_sonew`` with every other
+    argument bound) over the parameters packed by their :class:`grouping.Grouping`, found from
+    the parameters at ``init`` and kept in the state."""
+
+    def over(grouping: grouping_lib.Grouping) -> GradientTransformationWithApply:
+        return entry(stacked_axes=list(grouping.stacks), param_specs=grouping.specs(param_specs))
+
+    def init_fn(params: optax.Params) -> StackedByShapeState:
+        _check_real_floats(params, "parameters")
+        grouping = grouping_lib.grouping_of(params, stacked_axes, param_specs)
+        return StackedByShapeState(over(grouping).init(grouping.pack(params)), grouping)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        _check_real_floats(updates, "gradients")
+        grouping = state.grouping
+        packed, inner = over(grouping).update(grouping.pack(updates), state.inner)
+        return grouping.unpack(packed), StackedByShapeState(inner, grouping)
+
+    def apply_fn(updates, state, params, *, scale=1.0, weight_decay=0.0, mask=None, **extra):
+        del extra
+        direction, state = update_fn(updates, state)
+        flags = _decay_flags(mask, params)
+
+        def add(p, u, decayed):
+            decay = weight_decay if decayed else 0.0
+            return (p + (u + decay * p) * scale).astype(p.dtype)
+
+        return jax.tree.map(add, params, direction, flags), state
+
+    return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
+
+
 def sonew(
     learning_rate: optax.ScalarOrSchedule,
     *,
@@ -438,6 +501,7 @@ def sonew(
     kernel_config: KernelConfig = pallas.DEFAULT,
     damping: str = DEFAULT_DAMPING,
     stacked_axes: Any = None,
+    stack_by_shape: bool = False,
 ) -> GradientTransformationWithApply:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -484,6 +548,9 @@ def sonew(
         update is then zero).
       stacked_axes: leading axes of the parameters that stack tensors (``nn.scan``'s layer
         axis), each then preconditioned as a parameter of its own.
+      stack_by_shape: store and step the parameters of one shape (and dtype, stacking, layout)
+        as one stack: the same update, compiled and launched once per shape instead of once per
+        tensor, for a stacked copy of the gradients per step.
 
       :func:`scale_by_sonew` says more of each.
 
@@ -524,6 +591,7 @@ def sonew(
         damping=damping,
         kernel_config=kernel_config,
         stacked_axes=stacked_axes,
+        stack_by_shape=stack_by_shape,
     )
     decayed = optax.add_decayed_weights(weight_decay, mask)
     rate = optax.scale_by_learning_rate(learning_rate)

@@ -1,8 +1,10 @@
-"""The state of :func:`sonew_pax.optim.scale_by_sonew`: every array in its parameter's layout."""
+"""The state of :func:`sonew_pax.optim.scale_by_sonew`: every array in its parameter's layout (or,
+with ``stack_by_shape``, in its stack's)."""
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import chex
+import jax
 import optax
 
 
@@ -69,3 +71,24 @@ class ScaleBySONewDampedState(NamedTuple):
     e: optax.Updates
     ratio: optax.Updates
     diag: optax.Updates
+
+
+@jax.tree_util.register_pytree_with_keys_class
+class StackedByShapeState:
+    """The state of ``scale_by_sonew(stack_by_shape=True)``: the SONew state of the stored
+    entries (``inner``, over ``grouping.Grouping.pack``'s list) and the ``grouping.Grouping``
+    that packs them (static metadata, so ``jit`` and checkpoints see only ``inner``'s arrays)."""
+
+    def __init__(self, inner: Any, grouping: Any):
+        self.inner = inner
+        self.grouping = grouping
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("inner"), self.inner),), self.grouping
+
+    @classmethod
+    def tree_unflatten(cls, grouping: Any, children):
+        return cls(children[0], grouping)
+
+    def __repr__(self) -> str:
+        return f"StackedByShapeState(inner={self.inner!r}, groups={self.grouping.groups})"

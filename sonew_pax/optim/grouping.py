@@ -1,0 +1,93 @@
+"""Tensors of one shape stored and stepped as one stack: ``scale_by_sonew(stack_by_shape=True)``.
+
+A model that keeps each layer's tensors apart gives the update a step per tensor, so its compile
+time, its launches and the host's dispatch grow with the depth. Stacked on a new leading axis (the
+layout flax's ``nn.scan`` gives its parameters), the tensors of one shape are one stacked tensor
+for the engine (``stacked_axes``): traced, fused and launched once per stack. Each stacked tensor
+keeps its own chain, damping and graft ratio, so the update equals the unstacked one.
+
+What it trades: the state is stored stacked (a :class:`Grouping` says which parameters share an
+entry), and every step stacks the gradients of each entry (one copy of ``g``, 8 B/param of traffic)
+and slices the updates back (fused into their consumers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from sonew_pax.optim import sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouping:
+    """Which parameters share a stored entry, and how the engine sees each entry. Static
+    (hashable): it travels as pytree metadata.
+
+    Attributes:
+      treedef: the parameters' structure.
+      groups: ``groups[k]`` lists the leaf indices (in ``treedef``'s order) stacked, in that order,
+        into entry ``k``; an entry of one index holds that parameter as it is.
+      stacks: each entry's stacked leading axes (``scale_by_sonew``'s ``stacked_axes``): its
+        parameters' own, one more for a stacked entry.
+    """
+
+    treedef: Any
+    groups: tuple[tuple[int, ...], ...]
+    stacks: tuple[int, ...]
+
+    def pack(self, tree: Any) -> list:
+        """``tree`` (the parameters' structure) as the list of stored entries."""
+        leaves = self.treedef.flatten_up_to(tree)
+        return [
+            jnp.stack([leaves[i] for i in group]) if len(group) > 1 else leaves[group[0]]
+            for group in self.groups
+        ]
+
+    def unpack(self, entries: list) -> Any:
+        """The inverse of :meth:`pack`: each stacked entry sliced back into its parameters."""
+        leaves: list[Any] = [None] * self.treedef.num_leaves
+        for group, entry in zip(self.groups, entries, strict=True):
+            if len(group) == 1:
+                leaves[group[0]] = entry
+            else:
+                for position, index in enumerate(group):
+                    leaves[index] = entry[position]
+        return self.treedef.unflatten(leaves)
+
+    def specs(self, param_specs: Any) -> list | None:
+        """Each entry's ``PartitionSpec`` from the parameters' (``None``: ``None``): a stacked
+        entry's leading axis is unsharded."""
+        if param_specs is None:
+            return None
+        specs = self.treedef.flatten_up_to(param_specs)
+        return [P(None, *(specs[g[0]] or ())) if len(g) > 1 else specs[g[0]] for g in self.groups]
+
+
+def grouping_of(params: Any, stacked_axes: Any, param_specs: Any) -> Grouping:
+    """The :class:`Grouping` of ``params``: parameters with the same shape, dtype, stacked axes
+    (``stacked_axes``, resolved by ``sharding.stack_counts``) and layout share an entry, in the
+    order of their first member. The layout is ``param_specs``' where given, else the one each
+    array carries (``sharding.specs_of``), so that no stack mixes layouts."""
+    leaves, treedef = jax.tree.flatten(params)
+    counts = treedef.flatten_up_to(sharding.stack_counts(stacked_axes, params))
+    specs = sharding.specs_of(params) if param_specs is None else param_specs
+    members: dict[tuple, list[int]] = {}
+    for index, (leaf, count, spec) in enumerate(
+        zip(leaves, counts, treedef.flatten_up_to(specs), strict=True)
+    ):
+        key = (jnp.shape(leaf), jnp.dtype(leaf.dtype), count, _spec_key(spec, jnp.ndim(leaf)))
+        members.setdefault(key, []).append(index)
+    groups = tuple(tuple(group) for group in members.values())
+    stacks = tuple(counts[g[0]] + (len(g) > 1) for g in groups)
+    return Grouping(treedef, groups, stacks)
+
+
+def _spec_key(spec: Any, ndim: int) -> tuple:
+    """A spec as a hashable tuple padded to the array's rank (``None`` and ``P()`` alike)."""
+    entries = tuple(spec or ())
+    return entries + (None,) * (ndim - len(entries))

@@ -1,0 +1,152 @@
+"""``stack_by_shape``: the parameters of one shape stored and stepped as one stack give the update
+of the parameters stepped apart, whole and sharded, in one step per shape."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from sonew_pax.optim import (
+    StackedByShapeState,
+    apply_gradients,
+    scale_by_sonew,
+    sonew,
+    state_partition_specs,
+)
+from tests.test_sonew_sharded import make_mesh, run
+
+# name -> (shape, stacked axes). Three (8, 12) matrices, two (12, 8), two vectors, two
+# parameters that stack 3 tensors each (a scanned model's), and one of a shape of its own.
+SHAPES = {
+    "a0": ((8, 12), 0),
+    "a1": ((8, 12), 0),
+    "a2": ((8, 12), 0),
+    "b0": ((12, 8), 0),
+    "b1": ((12, 8), 0),
+    "v0": ((12,), 0),
+    "v1": ((12,), 0),
+    "s0": ((3, 8, 12), 1),
+    "s1": ((3, 8, 12), 1),
+    "x": ((6, 4), 0),
+}
+STACKS = {name: stack for name, (_, stack) in SHAPES.items()}
+
+
+def _problem(seed=0, steps=3):
+    rng = np.random.default_rng(seed)
+    draw = lambda: {k: jnp.asarray(rng.normal(size=s)) for k, (s, _) in SHAPES.items()}  # noqa: E731
+    return draw(), [draw() for _ in range(steps)]
+
+
+def _assert_close(expect: dict, got: dict, rtol: float):
+    assert expect.keys() == got.keys()
+    for k in expect:
+        e, g = np.asarray(expect[k]), np.asarray(got[k])
+        assert e.shape == g.shape, k
+        assert np.linalg.norm(g - e) <= rtol * max(np.linalg.norm(e), 1e-300), k
+
+
+@pytest.mark.parametrize(
+    "band, kwargs",
+    [
+        (0, {}),
+        (1, {}),
+        (1, {"graft_lag": True}),
+        (1, {"damping": "absolute", "eps": 1e-3, "precondition_1d": True}),
+        (2, {"damping": "max"}),
+        (4, {"graft": "none", "damping": "absolute", "eps": 1e-2}),
+    ],
+)
+def test_stacked_by_shape_equals_stepped_apart(x64, band, kwargs):
+    params, grads = _problem(seed=band)
+    kwargs = (
+        dict(band=band, stats_dtype=jnp.float64, weight_decay=0.1, stacked_axes=STACKS) | kwargs
+    )
+    expect, expect_state = run(sonew(0.1, **kwargs), params, grads)
+    got, state = run(sonew(0.1, stack_by_shape=True, **kwargs), params, grads)
+    for e_step, g_step in zip(expect, got, strict=True):
+        _assert_close(e_step, g_step, 1e-12)
+    stacked = state[0]
+    assert isinstance(stacked, StackedByShapeState)
+    # One entry per (shape, stacking), leaves in sorted order: a's, b's, s's, v's and x.
+    assert stacked.grouping.groups == ((0, 1, 2), (3, 4), (5, 6), (7, 8), (9,))
+    for name in ("m", "d"):
+        unpacked = stacked.grouping.unpack(getattr(stacked.inner, name))
+        _assert_close(getattr(expect_state[0], name), unpacked, 1e-12)
+
+
+@pytest.mark.parametrize("band", [1, 4])
+def test_sharded_stacked_by_shape_equals_unsharded_stepped_apart(x64, band):
+    """On a 2 x 4 mesh: parameters of one shape and layout share a stack, sharded as they are
+    (its leading axis unsharded); one of the same shape laid out otherwise stays apart."""
+    mesh = make_mesh((2, 4))
+    params, grads = _problem(seed=10 + band)
+    specs = {k: P() for k in SHAPES} | {
+        "a0": P("data", "model"),
+        "a1": P("data", "model"),
+        "a2": P(None, "model"),
+        "b0": P("model"),
+        "b1": P("model"),
+        "s0": P(None, "data"),
+        "s1": P(None, "data"),
+    }
+    kwargs = dict(band=band, eps=1e-2, stats_dtype=jnp.float64, stacked_axes=STACKS)
+    expect, _ = run(sonew(0.1, **kwargs), params, grads)
+    tx = sonew(0.1, mesh=mesh, param_specs=specs, stack_by_shape=True, **kwargs)
+    got, state = run(tx, params, grads, mesh, specs)
+    for e_step, g_step in zip(expect, got, strict=True):
+        _assert_close(e_step, g_step, 1e-10)
+    stacked = state[0]
+    assert stacked.grouping.groups == ((0, 1), (2,), (3, 4), (5, 6), (7, 8), (9,))
+    state_specs = state_partition_specs(state, specs)[0]
+    assert state_specs.inner.m[0] == P(None, "data", "model")
+    assert state_specs.inner.e[0] == P(None, None, "data", "model")  # (band, stack, ...)
+    assert state_specs.inner.m[3] == P(None, None, "data")  # the s stack (leaves sorted by name)
+    assert stacked.inner.m[0].sharding.spec == P(None, "data", "model")
+
+
+def test_one_step_per_shape_whatever_the_depth():
+    """The preconditioner's program grows with the number of shapes; each further tensor of a
+    shape adds only its gradient's stacking and its update's slicing (a few equations), where
+    stepped apart it adds a step of its own."""
+
+    def equations(layers: int, stack_by_shape: bool) -> int:
+        params = {f"w{i}": jnp.zeros((8, 12)) for i in range(layers)}
+        params |= {f"b{i}": jnp.zeros((12,)) for i in range(layers)}
+        tx = scale_by_sonew(stack_by_shape=stack_by_shape)
+        state = tx.init(params)
+        return len(jax.make_jaxpr(tx.update)(params, state, params).eqns)
+
+    per_tensor = lambda stacked: (equations(16, stacked) - equations(2, stacked)) / 28  # noqa: E731
+    assert per_tensor(True) <= 4 < 100 < per_tensor(False)
+
+
+def test_apply_adds_the_update_as_apply_updates_does(x64):
+    """``apply`` (``apply_gradients``) with weight decay on a mask equals ``update`` followed by
+    ``optax.apply_updates``."""
+    params, grads = _problem()
+    mask = {k: k != "x" for k in SHAPES}
+    tx = sonew(0.1, stack_by_shape=True, weight_decay=0.1, mask=mask, stats_dtype=jnp.float64)
+    state = tx.init(params)
+    updates, expect_state = tx.update(grads[0], state, params)
+    expect = optax.apply_updates(params, updates)
+    got, got_state = apply_gradients(tx, grads[0], state, params)
+    _assert_close(expect, got, 1e-15)
+    _assert_close(
+        expect_state[0].grouping.unpack(expect_state[0].inner.m),
+        got_state[0].grouping.unpack(got_state[0].inner.m),
+        0,
+    )
+
+
+def test_stack_by_shape_is_structural():
+    """A bool, named when it is not one; ``inject_hyperparams`` keeps a bool static."""
+    params = {"w": jnp.zeros((8, 12)), "u": jnp.zeros((8, 12))}
+    with pytest.raises(ValueError, match="stack_by_shape must be a bool, got 1"):
+        sonew(0.1, stack_by_shape=1)
+    tx = optax.inject_hyperparams(sonew)(learning_rate=0.1, stack_by_shape=True)
+    state = tx.init(params)
+    assert isinstance(state.inner_state[0], StackedByShapeState)
+    jax.jit(tx.update)(params, state, params)
