@@ -7,7 +7,9 @@ with ``_pallas`` with the Pallas kernels of ``sonew_pax/optim/kernels``; ``_lag`
 ``sonew_tridiag_auto``, ``sonew(lr, band=1)`` as a user (and the trainer's gin file) gets it:
 the kernels on GPU wherever they apply, XLA elsewhere; ``sonew_tridiag_absolute``, the same with
 ``damping="absolute"`` (the default damping is relative: it adds a norm pair to each step and a
-scalar per tensor to the state).
+scalar per tensor to the state); ``sonew_tridiag_by_shape`` and ``sonew_tridiag_auto_by_shape``, the
+XLA and the default rows with ``stack_by_shape=True`` (the parameters of one shape stored and
+stepped as one stack).
 """
 
 from collections.abc import Callable
@@ -39,6 +41,8 @@ SONEW_VARIANTS = _XLA_VARIANTS | {
 }
 SONEW_VARIANTS["sonew_tridiag_auto"] = {"band": 1}
 SONEW_VARIANTS["sonew_tridiag_absolute"] = {"band": 1, "damping": "absolute"}
+SONEW_VARIANTS["sonew_tridiag_by_shape"] = {"band": 1, "stack_by_shape": True, **_XLA}
+SONEW_VARIANTS["sonew_tridiag_auto_by_shape"] = {"band": 1, "stack_by_shape": True}
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 LEARNING_RATE = 1e-4
 # The random gradient every step applies: N(0, GRAD_STD).

@@ -16,6 +16,7 @@ from sonew_pax.optim import (
     state_partition_specs,
 )
 from tests.test_sonew_sharded import make_mesh, run
+from tests.test_stacked import VARIANTS, assert_close
 
 # name -> (shape, stacked axes). Three (8, 12) matrices, two (12, 8), two vectors, two
 # parameters that stack 3 tensors each (a scanned model's), and one of a shape of its own.
@@ -40,25 +41,7 @@ def _problem(seed=0, steps=3):
     return draw(), [draw() for _ in range(steps)]
 
 
-def _assert_close(expect: dict, got: dict, rtol: float):
-    assert expect.keys() == got.keys()
-    for k in expect:
-        e, g = np.asarray(expect[k]), np.asarray(got[k])
-        assert e.shape == g.shape, k
-        assert np.linalg.norm(g - e) <= rtol * max(np.linalg.norm(e), 1e-300), k
-
-
-@pytest.mark.parametrize(
-    "band, kwargs",
-    [
-        (0, {}),
-        (1, {}),
-        (1, {"graft_lag": True}),
-        (1, {"damping": "absolute", "eps": 1e-3, "precondition_1d": True}),
-        (2, {"damping": "max"}),
-        (4, {"graft": "none", "damping": "absolute", "eps": 1e-2}),
-    ],
-)
+@pytest.mark.parametrize("band, kwargs", VARIANTS)
 def test_stacked_by_shape_equals_stepped_apart(x64, band, kwargs):
     params, grads = _problem(seed=band)
     kwargs = (
@@ -67,14 +50,14 @@ def test_stacked_by_shape_equals_stepped_apart(x64, band, kwargs):
     expect, expect_state = run(sonew(0.1, **kwargs), params, grads)
     got, state = run(sonew(0.1, stack_by_shape=True, **kwargs), params, grads)
     for e_step, g_step in zip(expect, got, strict=True):
-        _assert_close(e_step, g_step, 1e-12)
+        assert_close(e_step, g_step, 1e-12)
     stacked = state[0]
     assert isinstance(stacked, StackedByShapeState)
     # One entry per (shape, stacking), leaves in sorted order: a's, b's, s's, v's and x.
     assert stacked.grouping.groups == ((0, 1, 2), (3, 4), (5, 6), (7, 8), (9,))
     for name in ("m", "d"):
         unpacked = stacked.grouping.unpack(getattr(stacked.inner, name))
-        _assert_close(getattr(expect_state[0], name), unpacked, 1e-12)
+        assert_close(getattr(expect_state[0], name), unpacked, 1e-12)
 
 
 @pytest.mark.parametrize("band", [1, 4])
@@ -97,7 +80,7 @@ def test_sharded_stacked_by_shape_equals_unsharded_stepped_apart(x64, band):
     tx = sonew(0.1, mesh=mesh, param_specs=specs, stack_by_shape=True, **kwargs)
     got, state = run(tx, params, grads, mesh, specs)
     for e_step, g_step in zip(expect, got, strict=True):
-        _assert_close(e_step, g_step, 1e-10)
+        assert_close(e_step, g_step, 1e-10)
     stacked = state[0]
     assert stacked.grouping.groups == ((0, 1), (2,), (3, 4), (5, 6), (7, 8), (9,))
     state_specs = state_partition_specs(state, specs)[0]
@@ -133,8 +116,8 @@ def test_apply_adds_the_update_as_apply_updates_does(x64):
     updates, expect_state = tx.update(grads[0], state, params)
     expect = optax.apply_updates(params, updates)
     got, got_state = apply_gradients(tx, grads[0], state, params)
-    _assert_close(expect, got, 1e-15)
-    _assert_close(
+    assert_close(expect, got, 1e-15)
+    assert_close(
         expect_state[0].grouping.unpack(expect_state[0].inner.m),
         got_state[0].grouping.unpack(got_state[0].inner.m),
         0,

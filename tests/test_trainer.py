@@ -16,6 +16,7 @@ import pytest
 
 from sonew_pax import demo, loop, models, optimizers, partitioning, train, trainer
 from tests.conftest import jax_config
+from tests.test_trainer_configs import statistics
 
 STEPS = 12
 PERIOD = 6
@@ -214,24 +215,24 @@ def test_compiled_shardings_match_the_derived_specs(tmp_path):
         ).compile()
     state_in, _ = compiled.input_shardings[0]
     state_out, _ = compiled.output_shardings
+    shapes = jax.tree.leaves(layout.abstract)
     for got in (state_in, state_out):
-        for derived, actual in zip(
-            jax.tree.leaves(layout.shardings), jax.tree.leaves(got), strict=True
+        for shape, derived, actual in zip(
+            shapes, jax.tree.leaves(layout.shardings), jax.tree.leaves(got), strict=True
         ):
-            assert actual.is_equivalent_to(derived, 3), (actual, derived)
+            assert actual.is_equivalent_to(derived, shape.ndim), (actual, derived)
 
     params = jax.tree_util.tree_leaves_with_path(layout.abstract.params)
     param_shardings = jax.tree.leaves(state_in.params)
-    opt_leaves = jax.tree_util.tree_leaves_with_path(layout.abstract.opt_state)
-    opt_shardings = jax.tree.leaves(state_in.opt_state)
+    opt = statistics(layout.abstract.opt_state, state_in.opt_state)
     checked = 0
     for (path, param), p_sharding in zip(params, param_shardings, strict=True):
         if not _is_sharded(p_sharding):
             continue
         name = jax.tree_util.keystr(path)
-        for (opt_path, leaf), o_sharding in zip(opt_leaves, opt_shardings, strict=True):
-            if jax.tree_util.keystr(opt_path).endswith(name) and leaf.ndim >= param.ndim:
-                assert _is_sharded(o_sharding), (jax.tree_util.keystr(opt_path), o_sharding)
+        for opt_path, leaf, o_sharding in opt:
+            if opt_path.endswith(name) and leaf.ndim >= param.ndim:
+                assert _is_sharded(o_sharding), (opt_path, o_sharding)
                 checked += 1
     assert checked >= 3 * sum(_is_sharded(s) for s in param_shardings)  # m, d and e per param
 

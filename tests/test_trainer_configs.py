@@ -6,6 +6,7 @@ and no optimizer-state tensor is replicated where its parameter is sharded.
 
 import inspect
 import pathlib
+from typing import Any
 
 import gin
 import jax
@@ -93,22 +94,51 @@ def test_optimizer_state_is_sharded_like_its_parameters(name):
     layout = step_fns.layout
     params = jax.tree_util.tree_leaves_with_path(layout.abstract.params)
     param_specs = jax.tree.leaves(layout.specs.params, is_leaf=_is_spec)
-    opt = jax.tree_util.tree_leaves_with_path(layout.abstract.opt_state)
-    opt_specs = jax.tree.leaves(layout.specs.opt_state, is_leaf=_is_spec)
-    assert len(opt) == len(opt_specs)
+    opt = statistics(layout.abstract.opt_state, layout.specs.opt_state)
     matched = 0
     for (path, param), spec in zip(params, param_specs, strict=True):
         name_ = jax.tree_util.keystr(path)
-        for (opt_path, leaf), opt_spec in zip(opt, opt_specs, strict=True):
+        for opt_path, leaf, opt_spec in opt:
             same_shape = leaf.shape[leaf.ndim - param.ndim :] == param.shape
-            if jax.tree_util.keystr(opt_path).endswith(name_) and same_shape:
+            if opt_path.endswith(name_) and same_shape:
                 assert tuple(opt_spec)[leaf.ndim - param.ndim :] == tuple(spec), opt_path
                 matched += 1
     assert matched >= len(params)  # at least one parameter-shaped statistic per parameter
 
 
+def statistics(state, layouts) -> list[tuple[str, jax.ShapeDtypeStruct, Any]]:
+    """``(path, leaf, layout)`` of every state leaf, ``layouts`` its ``PartitionSpec``s or
+    shardings; a stacked entry of a ``StackedByShapeState`` (``stack_by_shape``) once for each of
+    its parameters, under that parameter's path."""
+    stacked = lambda x: isinstance(x, optim.StackedByShapeState)  # noqa: E731
+    nodes = jax.tree_util.tree_leaves_with_path(state, is_leaf=stacked)
+    node_specs = jax.tree.leaves(layouts, is_leaf=lambda x: stacked(x) or _is_layout(x))
+    assert len(nodes) == len(node_specs)
+    out = []
+    for (path, node), spec in zip(nodes, node_specs, strict=True):
+        if not stacked(node):
+            out.append((jax.tree_util.keystr(path), node, spec))
+            continue
+        grouping = node.grouping
+        members = jax.tree_util.tree_leaves_with_path(
+            grouping.treedef.unflatten(range(grouping.treedef.num_leaves))
+        )
+        names = {index: jax.tree_util.keystr(p) for p, index in members}
+        inner = jax.tree_util.tree_leaves_with_path(node.inner)
+        inner_specs = jax.tree.leaves(spec.inner, is_leaf=_is_layout)
+        for (inner_path, leaf), inner_spec in zip(inner, inner_specs, strict=True):
+            entry = [k.idx for k in inner_path if isinstance(k, jax.tree_util.SequenceKey)]
+            for index in grouping.groups[entry[0]] if entry else ():
+                out.append((names[index], leaf, inner_spec))
+    return out
+
+
 def _is_spec(x) -> bool:
     return isinstance(x, jax.sharding.PartitionSpec)
+
+
+def _is_layout(x) -> bool:
+    return isinstance(x, jax.sharding.PartitionSpec | jax.sharding.Sharding)
 
 
 @pytest.mark.parametrize("decay", optimizers.SCHEDULE_KINDS)
