@@ -254,8 +254,13 @@ def test_macro_defined_and_used_by_bindings_is_accepted(tmp_path):
     [
         ((), ("tiny.gin", "optimizers/adamw.gin"), ("opt_state/", "make_optimizer.factory")),
         (("TransformerConfig.mlp_dim = 128",), ("tiny.gin",), ("params/", "mlp_dim = 64")),
+        (
+            ("sonew.stack_by_shape = False",),
+            ("tiny.gin",),
+            ("opt_state/", "sonew.stack_by_shape = True"),
+        ),
     ],
-    ids=["another-optimizer", "another-model"],
+    ids=["another-optimizer", "another-model", "another-state-layout"],
 )
 def test_checkpoints_of_another_configuration_are_a_config_mismatch(
     healthy, tmp_path, extra, files, differing
