@@ -49,7 +49,7 @@ import optax
 
 from sonew_pax.optim import grouping as grouping_lib
 from sonew_pax.optim import kernels as pallas
-from sonew_pax.optim import sharding
+from sonew_pax.optim import pointwise, sharding
 from sonew_pax.optim.chain import ChainLayout
 from sonew_pax.optim.engine import (
     IMPLEMENTATIONS,
@@ -345,7 +345,7 @@ def scale_by_sonew(
             implementation=implementation, graft_lag=graft_lag, kernel_config=kernel_config,
             damping=damping,
         )  # fmt: skip
-        return _stacked_by_shape(entry, stacked_axes, param_specs)
+        return _stacked_by_shape(entry, stacked_axes, param_specs, stats_dtype)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
@@ -443,11 +443,16 @@ def scale_by_sonew(
 
 
 def _stacked_by_shape(
-    entry: Callable[..., GradientTransformationWithApply], stacked_axes: Any, param_specs: Any
+    entry: Callable[..., GradientTransformationWithApply],
+    stacked_axes: Any,
+    param_specs: Any,
+    stats_dtype: Any,
 ) -> GradientTransformationWithApply:
     """``scale_by_sonew(stack_by_shape=True)``: ``entry`` (``scale_by_sonew`` with every other
     argument bound) over the parameters packed by their :class:`grouping.Grouping`, found from
-    the parameters at ``init`` and kept in the state."""
+    the parameters at ``init`` and kept in the state. ``apply`` adds the update to the unpacked
+    parameters as the engine does where no kernel writes them (``pointwise.apply_update``, its
+    numbers in ``stats_dtype``): packing the parameters for the kernels would copy them twice."""
 
     def over(grouping: grouping_lib.Grouping) -> GradientTransformationWithApply:
         return entry(stacked_axes=list(grouping.stacks), param_specs=grouping.specs(param_specs))
@@ -467,13 +472,15 @@ def _stacked_by_shape(
     def apply_fn(updates, state, params, *, scale=1.0, weight_decay=0.0, mask=None, **extra):
         del extra
         direction, state = update_fn(updates, state)
-        flags = _decay_flags(mask, params)
+        scale, weight_decay = (
+            jnp.asarray(x, _as_dtype(stats_dtype)) for x in (scale, weight_decay)
+        )
 
         def add(p, u, decayed):
             decay = weight_decay if decayed else 0.0
-            return (p + (u + decay * p) * scale).astype(p.dtype)
+            return pointwise.apply_update(p, u, 1, decay, scale).astype(p.dtype)
 
-        return jax.tree.map(add, params, direction, flags), state
+        return jax.tree.map(add, params, direction, _decay_flags(mask, params)), state
 
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
 
