@@ -133,3 +133,15 @@ def test_stack_by_shape_is_structural():
     state = tx.init(params)
     assert isinstance(state.inner_state[0], StackedByShapeState)
     jax.jit(tx.update)(params, state, params)
+
+
+def test_gradients_unlike_the_parameters_are_named_errors():
+    """A gradient tree of another structure, or a member of an entry of another shape, is a
+    ValueError that says so (and names the parameters), not an error from inside the step."""
+    params = {"w": jnp.zeros((8, 12)), "u": jnp.zeros((8, 12))}
+    tx = sonew(0.1, stack_by_shape=True)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match="structure differs"):
+        tx.update({"w": params["w"]}, state, params)
+    with pytest.raises(ValueError, match=r"\['u'\], \['w'\] had one shape at init"):
+        tx.update({"w": jnp.zeros((8, 12)), "u": jnp.zeros((12, 8))}, state, params)

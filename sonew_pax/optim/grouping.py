@@ -41,8 +41,28 @@ class Grouping:
     stacks: tuple[int, ...]
 
     def pack(self, tree: Any) -> list:
-        """``tree`` (the parameters' structure) as the list of stored entries."""
-        leaves = self.treedef.flatten_up_to(tree)
+        """``tree`` (the parameters' structure) as the list of stored entries.
+
+        Raises:
+          ValueError: ``tree``'s structure is not the parameters', or two members of one entry
+            differ in shape (a gradient that does not match the parameters ``init`` saw).
+        """
+        structure = jax.tree.structure(tree)
+        if structure != self.treedef:
+            raise ValueError(
+                "stack_by_shape: the tree's structure differs from the parameters' the state was "
+                f"initialised with:\n  got      {structure}\n  expected {self.treedef}"
+            )
+        leaves = structure.flatten_up_to(tree)
+        for group in self.groups:
+            shapes = {jnp.shape(leaves[i]) for i in group}
+            if len(shapes) > 1:
+                flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+                names = ", ".join(jax.tree_util.keystr(flat[i][0]) for i in group)
+                raise ValueError(
+                    f"stack_by_shape: {names} had one shape at init and now have "
+                    f"shapes {sorted(shapes)}"
+                )
         return [
             jnp.stack([leaves[i] for i in group]) if len(group) > 1 else leaves[group[0]]
             for group in self.groups
