@@ -1,6 +1,8 @@
 """``stack_by_shape``: the parameters of one shape stored and stepped as one stack give the update
 of the parameters stepped apart, whole and sharded, in one step per shape."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -143,5 +145,12 @@ def test_gradients_unlike_the_parameters_are_named_errors():
     state = tx.init(params)
     with pytest.raises(ValueError, match="structure differs"):
         tx.update({"w": params["w"]}, state, params)
-    with pytest.raises(ValueError, match=r"\['u'\], \['w'\] had one shape at init"):
+    shape = re.escape("the parameters had shape (8, 12) at init; got ['u'] (12, 8)")
+    with pytest.raises(ValueError, match=shape):
         tx.update({"w": jnp.zeros((8, 12)), "u": jnp.zeros((12, 8))}, state, params)
+    # The same for an entry of one parameter, and for every member of an entry changed alike.
+    alone = sonew(0.1, stack_by_shape=True)
+    with pytest.raises(ValueError, match=re.escape("got ['b'] (1, 12)")):
+        alone.update({"b": jnp.zeros((1, 12))}, alone.init({"b": jnp.zeros((8, 12))}))
+    with pytest.raises(ValueError, match=re.escape("got ['u'] (12, 8), ['w'] (12, 8)")):
+        tx.update({"w": jnp.zeros((12, 8)), "u": jnp.zeros((12, 8))}, state, params)

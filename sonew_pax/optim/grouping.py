@@ -34,18 +34,20 @@ class Grouping:
         into entry ``k``; an entry of one index holds that parameter as it is.
       stacks: each entry's stacked leading axes (``scale_by_sonew``'s ``stacked_axes``): its
         parameters' own, one more for a stacked entry.
+      shapes: each entry's members' shape (one shape per entry, by construction).
     """
 
     treedef: Any
     groups: tuple[tuple[int, ...], ...]
     stacks: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
 
     def pack(self, tree: Any) -> list:
         """``tree`` (the parameters' structure) as the list of stored entries.
 
         Raises:
-          ValueError: ``tree``'s structure is not the parameters', or two members of one entry
-            differ in shape (a gradient that does not match the parameters ``init`` saw).
+          ValueError: ``tree``'s structure or a leaf's shape is not the parameters' at ``init``
+            (a gradient that does not match the parameters the state was built for).
         """
         structure = jax.tree.structure(tree)
         if structure != self.treedef:
@@ -54,14 +56,15 @@ class Grouping:
                 f"initialised with:\n  got      {structure}\n  expected {self.treedef}"
             )
         leaves = structure.flatten_up_to(tree)
-        for group in self.groups:
-            shapes = {jnp.shape(leaves[i]) for i in group}
-            if len(shapes) > 1:
+        for group, shape in zip(self.groups, self.shapes, strict=True):
+            wrong = [i for i in group if jnp.shape(leaves[i]) != shape]
+            if wrong:
                 flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-                names = ", ".join(jax.tree_util.keystr(flat[i][0]) for i in group)
+                found = ", ".join(
+                    f"{jax.tree_util.keystr(flat[i][0])} {jnp.shape(leaves[i])}" for i in wrong
+                )
                 raise ValueError(
-                    f"stack_by_shape: {names} had one shape at init and now have "
-                    f"shapes {sorted(shapes)}"
+                    f"stack_by_shape: the parameters had shape {shape} at init; got {found}"
                 )
         return [
             jnp.stack([leaves[i] for i in group]) if len(group) > 1 else leaves[group[0]]
@@ -104,7 +107,8 @@ def grouping_of(params: Any, stacked_axes: Any, param_specs: Any) -> Grouping:
         members.setdefault(key, []).append(index)
     groups = tuple(tuple(group) for group in members.values())
     stacks = tuple(counts[g[0]] + (len(g) > 1) for g in groups)
-    return Grouping(treedef, groups, stacks)
+    shapes = tuple(tuple(jnp.shape(leaves[g[0]])) for g in groups)
+    return Grouping(treedef, groups, stacks, shapes)
 
 
 def _spec_key(spec: Any, ndim: int) -> tuple:
