@@ -280,7 +280,7 @@ def model_config(args: argparse.Namespace):
 
     Building a SentencePiece tokenizer rereads the corpus to find its cached model, so a run
     asks once and keeps the vocabulary size from here."""
-    config = train_step.load_model_config(args.model, args.dtype, args.layers)
+    config = train_step.load_model_config(args.model, args.dtype, num_layers=args.layers)
     vocab = data.get_tokenizer(data_config(args)).vocab_size
     return dataclasses.replace(config, vocab_size=vocab, max_len=max(config.max_len, args.seq_len))
 

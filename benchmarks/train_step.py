@@ -45,6 +45,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -52,7 +53,14 @@ import optax
 
 from benchmarks import common, device_trace, updates
 from sonew_pax import metrics, optim, optimizers, partitioning
-from sonew_pax.models import Transformer, TransformerConfig, count_params, flops_per_token
+from sonew_pax.models import (
+    REMAT_POLICIES,
+    Transformer,
+    TransformerConfig,
+    attention,
+    count_params,
+    flops_per_token,
+)
 from sonew_pax.trainer import Trainer
 
 OPTIMIZERS = ("adamw", "adafactor", *updates.SONEW_VARIANTS)
@@ -74,18 +82,16 @@ COLUMNS = (
 PROFILE_FAMILIES = 16
 
 
-def load_model_config(
-    model: str, dtype: str | None, layers: int | None = None, scan_layers: bool | None = None
-) -> TransformerConfig:
-    """``configs/models/<model>.gin``'s TransformerConfig; ``dtype``/``layers``/``scan_layers``
-    override it."""
+def load_model_config(model: str, dtype: str | None, **overrides: Any) -> TransformerConfig:
+    """``configs/models/<model>.gin``'s TransformerConfig; ``dtype`` and the ``overrides`` that
+    are not None (``num_layers``, ``scan_layers``, ``attention``, ``remat``) replace its fields."""
     import gin
 
     gin.clear_config()
     gin.parse_config_file(str(common.ROOT / "configs" / "models" / f"{model}.gin"))
     config = gin.get_configurable(TransformerConfig)()
     gin.clear_config()
-    overrides = {"dtype": dtype, "num_layers": layers, "scan_layers": scan_layers}
+    overrides = {"dtype": dtype, **overrides}
     return dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
 
 
@@ -135,7 +141,14 @@ def peak_memory_gib(devices=None) -> float | None:
 def run_one(name: str, args: argparse.Namespace) -> dict:
     """Builds the Trainer for optimizer ``name``, times its train step, returns the row."""
     optimizer = optimizer_factory(name, args.unsharded_optimizer, common.kernel_config(args))
-    config = load_model_config(args.model, args.dtype, args.layers, args.scan_layers or None)
+    config = load_model_config(
+        args.model,
+        args.dtype,
+        num_layers=args.layers,
+        scan_layers=args.scan_layers or None,
+        attention=args.attention,
+        remat=args.remat,
+    )
     devices = jax.devices()[: args.mesh_data * args.mesh_model]
     mesh = partitioning.make_mesh(data=args.mesh_data, model=args.mesh_model, devices=devices)
     rules = partitioning.logical_axis_rules()
@@ -233,7 +246,7 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
         "--mesh_model",
         str(args.mesh_model),
     ]
-    for flag in ("dtype", "layers"):
+    for flag in ("dtype", "layers", "attention", "remat"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
     if args.unsharded_optimizer:
@@ -287,6 +300,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the model's layers as one nn.scan (TransformerConfig.scan_layers), its parameters "
         "stacked; SONew takes the stacked axes from their logical names",
     )
+    p.add_argument(
+        "--attention",
+        choices=attention.IMPLEMENTATIONS,
+        help="override TransformerConfig.attention (default: the model config's, auto)",
+    )
+    p.add_argument(
+        "--remat",
+        choices=tuple(REMAT_POLICIES),
+        help="override TransformerConfig.remat (default: the model config's, none)",
+    )
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
@@ -332,6 +355,8 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "dtype": args.dtype,
             "layers": args.layers,
             "scan_layers": args.scan_layers,
+            "attention": args.attention,
+            "remat": args.remat,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
             "mesh_data": args.mesh_data,

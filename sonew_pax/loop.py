@@ -39,7 +39,7 @@ from sonew_pax import (
     train_state,
 )
 from sonew_pax.errors import ConfigError, RunError
-from sonew_pax.models import Transformer, TransformerConfig, flops_per_token
+from sonew_pax.models import Transformer, TransformerConfig, attention_choice, flops_per_token
 from sonew_pax.train_state import TrainState
 from sonew_pax.trainer import CacheHits, Trainer, persistent_compilation_cache
 
@@ -298,6 +298,9 @@ def _make_trainer(
     mesh = partitioning.make_mesh() if mesh is None else mesh
     rules = partitioning.logical_axis_rules()
     partitioning.check_batch_size(batch_size, mesh, rules)
+    choice = attention_choice(model_config, seq_len)
+    log = logging.warning if choice.fallback else logging.info
+    log("Attention: %s%s", choice.implementation, f" ({choice.reason})" * bool(choice.reason))
     return Trainer(
         Transformer(model_config),
         optimizer,

@@ -20,6 +20,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sonew_pax import optim, partitioning, train_state
+from sonew_pax.models import losses
 from sonew_pax.train_state import TrainState
 
 Batch = Mapping[str, jax.Array]
@@ -27,18 +28,25 @@ Metrics = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "weights")
 
 
-def weighted_cross_entropy(
-    logits: jax.Array, targets: jax.Array, weights: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """Sum over tokens of ``weights * -log p(target)`` (in float32), and the sum of weights."""
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-    weights = weights.astype(jnp.float32)
-    return jnp.sum(losses * weights), jnp.sum(weights)
-
-
 def mean_loss(loss_sum: jax.Array, weight_sum: jax.Array) -> jax.Array:
     """Token-mean loss; 0 when no token has weight."""
     return loss_sum / jnp.maximum(weight_sum, 1.0)
+
+
+def model_loss(
+    model: nn.Module, params: Any, batch: Batch, deterministic: bool, rngs=None
+) -> tuple[jax.Array, jax.Array]:
+    """``(loss sum, weight sum)`` of ``model`` on ``batch``: the model's final features and
+    output projection (``fused_head``) through `losses.fused_cross_entropy`, so no float32
+    logits are kept for the backward pass."""
+    features, kernel = model.apply(
+        {"params": params},
+        batch["inputs"],
+        deterministic=deterministic,
+        rngs=rngs,
+        fused_head=True,
+    )
+    return losses.fused_cross_entropy(features, kernel, batch["targets"], batch["weights"])
 
 
 def make_train_step(
@@ -63,13 +71,7 @@ def make_train_step(
         rng = jax.random.fold_in(base_rng, state.step)
 
         def loss_fn(params):
-            logits = model.apply(
-                {"params": params},
-                batch["inputs"],
-                deterministic=False,
-                rngs={"dropout": rng},
-            )
-            return mean_loss(*weighted_cross_entropy(logits, batch["targets"], batch["weights"]))
+            return mean_loss(*model_loss(model, params, batch, False, {"dropout": rng}))
 
         loss, grads = jax.value_and_grad(loss_fn)(state.params)
         grad_norm = optax.tree.norm(grads)
@@ -99,8 +101,7 @@ def make_eval_step(model: nn.Module) -> Callable[[Any, Batch], tuple[jax.Array, 
     """``(params, batch) -> (loss sum, weight sum)``, deterministic (no dropout)."""
 
     def eval_step(params: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        logits = model.apply({"params": params}, batch["inputs"], deterministic=True)
-        return weighted_cross_entropy(logits, batch["targets"], batch["weights"])
+        return model_loss(model, params, batch, deterministic=True)
 
     return eval_step
 

@@ -1,7 +1,8 @@
 """The `Transformer` in Hugging Face's Llama layout (``LlamaForCausalLM``): config and weights.
 
-A decoder with SwiGLU MLPs and rotary positions is a Llama model with as many key/value heads as
-query heads and no biases; nothing else differs:
+A decoder with SwiGLU MLPs and rotary positions is a Llama model without biases, its
+``num_key_value_heads`` the model's `kv_heads` (query head ``h`` reads key/value head
+``h // (num_heads / kv_heads)`` in both); nothing else differs:
 
 - RMSNorm: both compute ``w * x / sqrt(mean(x^2) + eps)`` in float32, with the learned ``w``
   itself (not ``1 + w``) and ``eps`` inside the root.
@@ -67,7 +68,7 @@ def llama_config(
         "intermediate_size": config.mlp_dim,
         "num_hidden_layers": config.num_layers,
         "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_heads,
+        "num_key_value_heads": config.kv_heads,
         "head_dim": config.head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": config.max_len,

@@ -31,6 +31,7 @@ same positions; the training path is unchanged by it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -40,10 +41,17 @@ import jax
 import jax.numpy as jnp
 
 from sonew_pax import partitioning
+from sonew_pax.models import attention
 
 _ACTIVATIONS = ("gelu", "swiglu")
 _POSITIONS = ("rotary", "learned")
 _DTYPES = ("float32", "bfloat16")
+# Rematerialisation of each decoder block's activations in the backward pass (`REMAT_POLICIES`).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +66,8 @@ class TransformerConfig:
       d_model: residual stream width ("embed" axis).
       num_layers: number of decoder blocks.
       num_heads: attention heads ("heads" axis).
+      num_kv_heads: key/value heads (grouped-query attention; each serves
+        ``num_heads / num_kv_heads`` query heads); None: ``num_heads`` (multi-head attention).
       head_dim: width of each head ("kv" axis); even when `positions == "rotary"`.
       mlp_dim: MLP hidden width ("mlp" axis).
       max_len: longest sequence the model accepts (size of the learned position table).
@@ -75,12 +85,21 @@ class TransformerConfig:
       norm_eps: epsilon of RMSNorm.
       scan_layers: run the decoder blocks as one `nn.scan`, their parameters stacked on a
         leading "layers" axis (faster to compile; the same function of the same numbers).
+      attention: how attention is computed (`attention.IMPLEMENTATIONS`): "auto" (the
+        platform's fused kernel, cuDNN flash attention on GPUs and splash attention on TPUs,
+        where the configuration allows; else the reference form), "xla" (the reference einsums,
+        any platform), "cudnn" or "splash". `attention_choice` says what runs and why.
+      remat: what each decoder block keeps for the backward pass (`REMAT_POLICIES`): "none"
+        (every activation), "dots" (the weight matmuls' outputs; the rest is recomputed) or
+        "full" (only the block's input; the whole block is recomputed). Less memory for more
+        compute, for models or batches that do not fit otherwise.
     """
 
     vocab_size: int = 256
     d_model: int = 128
     num_layers: int = 2
     num_heads: int = 4
+    num_kv_heads: int | None = None
     head_dim: int = 32
     mlp_dim: int = 512
     max_len: int = 128
@@ -94,6 +113,8 @@ class TransformerConfig:
     rope_base: float = 10000.0
     norm_eps: float = 1e-6
     scan_layers: bool = False
+    attention: str = "auto"
+    remat: str = "none"
 
     def __post_init__(self):
         for name in (
@@ -112,10 +133,39 @@ class TransformerConfig:
         _check_choice("positions", self.positions, _POSITIONS)
         _check_choice("dtype", self.dtype, _DTYPES)
         _check_choice("param_dtype", self.param_dtype, _DTYPES)
+        _check_choice("attention", self.attention, attention.IMPLEMENTATIONS)
+        _check_choice("remat", self.remat, tuple(REMAT_POLICIES))
+        if self.num_kv_heads is not None and (
+            self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads
+        ):
+            raise ValueError(
+                f"TransformerConfig.num_kv_heads must divide num_heads ({self.num_heads}), "
+                f"got {self.num_kv_heads}"
+            )
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
         if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: `num_kv_heads`, or `num_heads` when that is None."""
+        return self.num_kv_heads or self.num_heads
+
+
+def attention_choice(
+    config: TransformerConfig, length: int | None = None, backend: str | None = None
+) -> attention.Choice:
+    """The attention implementation `config` runs on ``backend`` (default: this process's) for
+    sequences of ``length``, and why (`attention.resolve`)."""
+    return attention.resolve(
+        config.attention,
+        dtype=config.dtype,
+        head_dim=config.head_dim,
+        dropout_rate=config.dropout_rate,
+        length=length,
+        backend=backend,
+    )
 
 
 gin.external_configurable(TransformerConfig, module="sonew_pax.models")
@@ -137,15 +187,15 @@ def flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     ``6 N + 12 L H Q T``: forward and backward multiply-adds with the ``N`` weights a token goes
     through, and attention's scores and weighted sums over the ``T = seq_len`` positions (``L``
     layers, ``H`` heads of width ``Q``; causal masking is not discounted). ``N`` counts, per
-    layer, the four attention projections (``4 d H Q``) and the MLP (``2 d F``, ``3 d F`` with
+    layer, the query and output projections (``2 d H Q``), the key and value projections
+    (``2 d K Q`` for ``K`` key/value heads) and the MLP (``2 d F``, ``3 d F`` with
     SwiGLU), plus the logits projection (``d V``); the embedding lookup and the norms do no
     matrix multiplication.
     """
     cfg = config
     mlp_kernels = 3 if cfg.mlp_activation == "swiglu" else 2
-    per_layer = (
-        4 * cfg.d_model * cfg.num_heads * cfg.head_dim + mlp_kernels * cfg.d_model * cfg.mlp_dim
-    )
+    attention_kernels = 2 * (cfg.num_heads + cfg.kv_heads) * cfg.head_dim
+    per_layer = cfg.d_model * (attention_kernels + mlp_kernels * cfg.mlp_dim)
     weights = cfg.num_layers * per_layer + cfg.d_model * cfg.vocab_size
     attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
     return float(6 * weights + attention)
@@ -211,11 +261,14 @@ def _cached(module: nn.Module, name: str, new: jax.Array, offset: jax.Array) -> 
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention; kernels (embed, heads, kv) and (heads, kv, embed).
+    """Causal self-attention; kernels (embed, heads, kv) and (heads, kv, embed).
 
-    With ``decode``, the keys and values of ``x`` (positions ``offset, offset + 1, ...``) are
-    written into the "cache" collection's ``key`` and ``value`` [batch, cache length, heads, kv],
-    and the queries attend to every cached position up to their own.
+    Queries have ``num_heads`` heads, keys and values ``kv_heads`` (grouped-query attention when
+    fewer). A whole sequence attends through the configuration's implementation
+    (`attention_choice`). With ``decode``, the keys and values of ``x`` (positions
+    ``offset, offset + 1, ...``) are written into the "cache" collection's ``key`` and ``value``
+    [batch, cache length, kv_heads, kv], and the queries attend to every cached position up to
+    their own, in the reference form.
     """
 
     config: TransformerConfig
@@ -230,29 +283,32 @@ class CausalSelfAttention(nn.Module):
     ) -> jax.Array:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
-        qkv_shape = (cfg.d_model, cfg.num_heads, cfg.head_dim)
-        qkv_names = ("embed", "heads", "kv")
         init = _normal(cfg.init_std)
         heads_axes = ("batch", "length", "heads", "kv")
 
-        def project(name):
-            kernel = _param(self, name, qkv_names, qkv_shape, init).astype(dtype)
+        def project(name: str, heads: int) -> jax.Array:
+            shape = (cfg.d_model, heads, cfg.head_dim)
+            kernel = _param(self, name, ("embed", "heads", "kv"), shape, init).astype(dtype)
             return nn.with_logical_constraint(jnp.einsum("bld,dhk->blhk", x, kernel), heads_axes)
 
-        q, k, v = project("query"), project("key"), project("value")
+        q = project("query", cfg.num_heads)
+        k, v = project("key", cfg.kv_heads), project("value", cfg.kv_heads)
         if cfg.positions == "rotary":
             q = rotary_embedding(q, cfg.rope_base, offset)
             k = rotary_embedding(k, cfg.rope_base, offset)
+        dropout = None
+        if cfg.dropout_rate > 0 and not deterministic:
+            dropout = functools.partial(nn.Dropout(cfg.dropout_rate), deterministic=False)
         if decode:
             k, v = _cached(self, "key", k, offset), _cached(self, "value", v, offset)
-        q = q * jnp.asarray(1.0 / math.sqrt(cfg.head_dim), dtype)
-        scores = jnp.einsum("bqhk,bthk->bhqt", q, k, preferred_element_type=jnp.float32)
-        query_positions = offset + jnp.arange(x.shape[1])
-        causal = jnp.arange(k.shape[1])[None, :] <= query_positions[:, None]
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
-        probs = nn.Dropout(cfg.dropout_rate)(probs, deterministic=deterministic)
-        attended = nn.with_logical_constraint(jnp.einsum("bhqt,bthk->bqhk", probs, v), heads_axes)
+            attended = attention.reference_attention(q, k, v, query_offset=offset, dropout=dropout)
+        else:
+            implementation = attention_choice(cfg, x.shape[1]).implementation
+            spec = nn.logical_to_mesh_axes(heads_axes)
+            attended = attention.causal_attention(
+                q, k, v, implementation, spec=spec, dropout=dropout
+            )
+        attended = nn.with_logical_constraint(attended, heads_axes)
         out_init = _normal(cfg.init_std / math.sqrt(2 * cfg.num_layers))
         out_kernel = _param(
             self,
@@ -331,14 +387,24 @@ class Transformer(nn.Module):
     the "cache" collection (`init_cache`): they take the positions from its ``index`` on, their
     keys and values are added to it, and ``index`` advances by their number. The caller keeps
     ``index`` plus the tokens' number within the cache's length.
+
+    With ``fused_head=True`` the model stops before the logits and returns the final features
+    [B, L, embed] and the output projection [embed, vocab] (the transposed embedding when tied),
+    both in the compute dtype, so that a loss can fuse the projection with the softmax
+    (`sonew_pax.models.losses.fused_cross_entropy`) instead of materialising float32 logits.
     """
 
     config: TransformerConfig
 
     @nn.compact
     def __call__(
-        self, tokens: jax.Array, *, deterministic: bool = True, decode: bool = False
-    ) -> jax.Array:
+        self,
+        tokens: jax.Array,
+        *,
+        deterministic: bool = True,
+        decode: bool = False,
+        fused_head: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
         cfg = self.config
         dtype = jnp.dtype(cfg.dtype)
         length = tokens.shape[1]
@@ -362,9 +428,18 @@ class Transformer(nn.Module):
             x = x + positions.astype(dtype)[None]
         x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
         x = nn.Dropout(cfg.dropout_rate)(x, deterministic=deterministic)
+        block_class = DecoderBlock
+        if REMAT_POLICIES[cfg.remat] is not None and not decode:
+            # Arguments counted from self: deterministic (2) and decode (3) are Python bools.
+            block_class = nn.remat(
+                DecoderBlock,
+                policy=REMAT_POLICIES[cfg.remat],
+                prevent_cse=not cfg.scan_layers,
+                static_argnums=(2, 3),
+            )
         if cfg.scan_layers:
 
-            def body(block: DecoderBlock, x: jax.Array, offset: Any):
+            def body(block: nn.Module, x: jax.Array, offset: Any):
                 return block(x, deterministic, decode, offset), None
 
             blocks = nn.scan(
@@ -375,21 +450,20 @@ class Transformer(nn.Module):
                 length=cfg.num_layers,
                 metadata_params={nn.PARTITION_NAME: partitioning.LAYERS},
             )
-            x, _ = blocks(DecoderBlock(cfg, name=partitioning.LAYERS), x, offset)
+            x, _ = blocks(block_class(cfg, name=partitioning.LAYERS), x, offset)
         else:
             for i in range(cfg.num_layers):
-                x = DecoderBlock(cfg, name=f"layer_{i}")(x, deterministic, decode, offset)
+                x = block_class(cfg, name=f"layer_{i}")(x, deterministic, decode, offset)
         x = RMSNorm(cfg, name="final_norm")(x)
         if cfg.tie_embeddings:
-            logits = jnp.einsum(
-                "bld,vd->blv", x, embedding.astype(dtype), preferred_element_type=jnp.float32
-            )
+            kernel = embedding.T
         else:
             kernel = _param(self, "output", ("embed", "vocab"), (cfg.d_model, cfg.vocab_size), init)
-            logits = jnp.einsum(
-                "bld,dv->blv", x, kernel.astype(dtype), preferred_element_type=jnp.float32
-            )
-        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "vocab"))
+        kernel = kernel.astype(dtype)
+        if fused_head:
+            return x, kernel
+        logits = jnp.einsum("bld,dv->blv", x, kernel, preferred_element_type=jnp.float32)
+        return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
 Cache = dict[str, Any]
