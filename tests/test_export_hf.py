@@ -47,6 +47,9 @@ SMALL = TransformerConfig(
     norm_eps=1e-5,
 )
 
+# Grouped-query attention: 4 query heads reading 2 key/value heads.
+GQA = TransformerConfig(**{**SMALL.__dict__, "num_heads": 4, "num_kv_heads": 2})
+
 
 def random_params(config: TransformerConfig, seed: int = 0):
     """The model's parameters with every entry random: kernels N(0, 0.1^2), norm scales around 1,
@@ -129,6 +132,15 @@ def test_export_files_parse_and_round_trip(tmp_path, param_dtype):
     assert (hf_config["pad_token_id"], hf_config["eos_token_id"]) == (0, 1)
 
 
+def test_grouped_query_attention_exports_its_key_value_heads(tmp_path):
+    llama.save(tmp_path, GQA, random_params(GQA))
+    header = safetensors_io.read_header(tmp_path / "model.safetensors")
+    assert header["model.layers.0.self_attn.k_proj.weight"]["shape"] == [2 * 16, 96]
+    assert header["model.layers.0.self_attn.q_proj.weight"]["shape"] == [4 * 16, 96]
+    hf_config = json.loads((tmp_path / "config.json").read_text())
+    assert (hf_config["num_attention_heads"], hf_config["num_key_value_heads"]) == (4, 2)
+
+
 def test_tied_embeddings_write_no_lm_head(tmp_path):
     llama.save(tmp_path, TINY, random_params(TINY))
     assert "lm_head.weight" not in safetensors_io.read_header(tmp_path / "model.safetensors")
@@ -143,7 +155,9 @@ def test_other_architectures_do_not_export(tmp_path, option, value):
     assert not list(tmp_path.iterdir())
 
 
-@pytest.mark.parametrize("config", [TINY, SMALL], ids=["tiny-tied", "small-untied"])
+@pytest.mark.parametrize(
+    "config", [TINY, SMALL, GQA], ids=["tiny-tied", "small-untied", "grouped-query"]
+)
 def test_transformers_llama_gives_our_logits(tmp_path, config):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")

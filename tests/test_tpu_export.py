@@ -3,8 +3,9 @@
 `loop.configured_trainer` builds the step a run's gin config gives (`train`'s own code
 path), and `Trainer.export_train_step` lowers it from abstract inputs carrying their shardings:
 nothing is allocated, nothing compiled. Covered: the tiny and 1b models x AdamW, tridiagonal
-SONew and band-4 SONew on a 2x4 mesh (data=2, model=4), and ``runs/pretrain_1b_v4_32.gin`` on
-its 16 devices (in a subprocess, which simulates 16 CPU devices). Each exported module must hold
+SONew and band-4 SONew on a 2x4 mesh (data=2, model=4), splash attention on that mesh, and
+``runs/pretrain_1b_v4_32.gin`` (splash attention) on its 16 devices (in a subprocess, which
+simulates 16 CPU devices). Each exported module must hold
 no custom call a TPU cannot run (a Triton or CUDA kernel), and take the layout's shardings.
 
 Run as a script (``python -m tests.test_tpu_export GIN_FILE...``) it prints, as JSON, what the
@@ -180,9 +181,19 @@ def test_train_step_with_the_tpu_kernels_lowers_for_tpu_on_a_2x4_mesh(optimizer)
     assert summary["tpu_kernels"] > 0
 
 
+def test_splash_attention_lowers_for_tpu_on_a_2x4_mesh():
+    """Splash attention's Mosaic kernels in the train step, each device on its own examples
+    (data) and heads (model): forward and backward kernels under shard_map."""
+    files = ["runs/pretrain.gin", "models/tiny.gin", "optimizers/sonew_tridiag.gin"]
+    splash = ('TransformerConfig.attention = "splash"',)
+    summary = export_for_tpu(files, [*REQUIRED, *MESH_2X4, *splash])
+    assert_lowers_for_tpu(summary, devices=8)
+    assert summary["tpu_kernels"] > 0
+
+
 def test_v4_32_run_lowers_for_tpu_on_its_16_devices():
-    """``runs/pretrain_1b_v4_32.gin`` as the launcher runs it (mesh data=16, FSDP), in a process
-    with 16 simulated devices (this one has 8)."""
+    """``runs/pretrain_1b_v4_32.gin`` as the launcher runs it (mesh data=16, FSDP, splash
+    attention), in a process with 16 simulated devices (this one has 8)."""
     env = os.environ | {
         "XLA_FLAGS": xla_flags(V4_32_DEVICES),
         "JAX_PLATFORMS": "cpu",
@@ -200,6 +211,7 @@ def test_v4_32_run_lowers_for_tpu_on_its_16_devices():
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads(result.stdout.splitlines()[-1])
     assert_lowers_for_tpu(summary, devices=V4_32_DEVICES)
+    assert summary["tpu_kernels"] > 0  # splash attention
 
 
 if __name__ == "__main__":

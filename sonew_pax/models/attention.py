@@ -12,8 +12,9 @@ with one of these implementations:
              of 8 up to 128; no attention dropout.
     "splash" the Pallas Mosaic splash-attention kernel that JAX ships (the kernel MaxText uses on
              TPUs), under `jax.shard_map` over the mesh's batch and head shardings so each device
-             runs it on its own block; causal blocks above the diagonal are skipped. TPUs;
-             length a multiple of 128; no attention dropout.
+             runs it on its own block; causal blocks above the diagonal are skipped. TPUs (other
+             platforms run it in Pallas' interpreter: slow, for tests); length a multiple of 128;
+             no attention dropout.
     "auto"   the fast kernel of the backend (`jax.default_backend()`) when the configuration
              allows it, else "xla"; `resolve` says which and why.
 
@@ -153,10 +154,12 @@ def cudnn_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
 
 
-@functools.lru_cache(maxsize=16)
 def _splash_kernel(heads: int, length: int, interpret: bool):
-    """Splash attention's causal multi-head kernel for one example ``[heads, length, head_dim]``
-    (cached: building its mask's block tables runs in numpy)."""
+    """Splash attention's causal multi-head kernel for one example ``[heads, length, head_dim]``.
+
+    Built anew for each trace: a kernel object holds its mask's block tables, which a trace
+    turns into constants of that trace alone (reused in another, `jax.export` fails).
+    """
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     mask = splash.MultiHeadMask([splash.CausalMask((length, length))] * heads)
@@ -169,7 +172,7 @@ def _splash_kernel(heads: int, length: int, interpret: bool):
     )
 
 
-def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
+def _splash_block(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> jax.Array:
     """Splash attention on one device's block ``[batch, length, heads, head_dim]``."""
     _, length, heads, head_dim = q.shape
     kernel = _splash_kernel(heads, length, interpret)
@@ -179,15 +182,28 @@ def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array, interpret: bool) -> 
     return heads_first(out).astype(q.dtype)
 
 
+def _splash_local(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """`_splash_block` compiled as a Mosaic kernel for TPUs and run in Pallas' interpreter on any
+    other platform; the branch is chosen where the program is lowered, so a CPU host exporting
+    for TPU gets the kernel."""
+    return jax.lax.platform_dependent(
+        q,
+        k,
+        v,
+        tpu=functools.partial(_splash_block, interpret=False),
+        default=functools.partial(_splash_block, interpret=True),
+    )
+
+
 def splash_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
     *,
     spec: jax.sharding.PartitionSpec | None = None,
-    interpret: bool = False,
 ) -> jax.Array:
-    """Causal attention through Pallas' splash-attention kernel (TPUs).
+    """Causal attention through Pallas' splash-attention kernel (TPUs; elsewhere interpreted,
+    slowly, for tests).
 
     A Mosaic kernel cannot be partitioned by the compiler, so under a mesh of several devices
     (`jax.set_mesh`) it runs in `jax.shard_map` with ``spec``, the activations'
@@ -200,19 +216,19 @@ def splash_attention(
       v: values, like ``k``.
       spec: the sharding of ``q``, ``k`` and ``v`` over the current mesh (length unsharded);
         None: replicated.
-      interpret: run the kernel in Pallas' interpreter (any backend; for tests).
 
     Returns:
       ``[batch, length, heads, head_dim]`` in ``q``'s dtype.
     """
-    local = functools.partial(_splash_local, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-        return local(q, k, v)
+        return _splash_local(q, k, v)
     spec = spec if spec is not None else jax.sharding.PartitionSpec()
     if len(spec) > 1 and spec[1] is not None:
         raise ValueError(f"splash attention needs the length axis unsharded, got spec {spec}")
-    return jax.shard_map(local, in_specs=(spec, spec, spec), out_specs=spec)(q, k, v)
+    # Pallas kernels do not declare how their outputs vary over the mesh: unchecked.
+    specs = (spec, spec, spec)
+    return jax.shard_map(_splash_local, in_specs=specs, out_specs=spec, check_vma=False)(q, k, v)
 
 
 def causal_attention(
