@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from benchmarks import (
+    attention,
     common,
     compile_cache,
     compile_profile,
@@ -264,6 +265,10 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "--kernel",
             "banded_min_rows=8",
             "--concurrent",
+            "--attention",
+            "xla",
+            "--remat",
+            "dots",
         ]
     )
     argv = train_step.child_argv("adamw", args, tmp_path / "r.json")
@@ -283,8 +288,22 @@ def test_train_step_child_argv_round_trips(tmp_path):
         "profile_families",
         "unsharded_optimizer",
         "concurrent",
+        "attention",
+        "remat",
     ):
         assert getattr(child, name) == getattr(args, name)
+
+
+def test_attention_schema_and_equality(tmp_path):
+    """On CPU only the reference form runs: its error against itself upcast is rounding."""
+    out = tmp_path / "attention.json"
+    argv = ["--shapes", "1x16x4x2x8", "--dtype", "bfloat16", "--warmup", "0", "--iters", "1"]
+    returned = attention.main([*argv, "--out", str(out)])
+    written = json.loads(out.read_text())  # no model, so no "params"
+    assert written == json.loads(json.dumps(returned))
+    (row,) = written["rows"]
+    assert (row["shape"], row["implementation"], row["speedup_vs_xla"]) == ("1x16x4x2x8", "xla", 1)
+    assert _finite(row["fwd_bwd_ms"]) and 0 < row["rel_err"] < 1e-2
 
 
 def test_sharded_update_schema_and_equality(tmp_path):
