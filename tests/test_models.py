@@ -59,7 +59,11 @@ def test_forward_shape_and_dtypes(overrides):
     assert dtypes == {jnp.dtype(jnp.float32)}
 
 
-@pytest.mark.parametrize("overrides", VARIANTS[:2], ids=["gelu-rotary-tied", "swiglu-learned"])
+@pytest.mark.parametrize(
+    "overrides",
+    [*VARIANTS[:2], dict(num_kv_heads=2)],
+    ids=["gelu-rotary-tied", "swiglu-learned", "grouped-query"],
+)
 def test_cached_decoding_matches_the_full_forward_pass(overrides):
     """A prompt run into the cache, then one token at a time: the same logits as one pass over
     the whole sequence, and the cache's index at the end of it."""
