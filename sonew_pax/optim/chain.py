@@ -371,8 +371,10 @@ def norm_pairs(xs: list[jax.Array]) -> jax.Array:
     One variadic reduction over the pairs (:func:`_nrm2_combine`) for all ``xs`` together: the
     inputs are read once instead of four times for two two-pass norms. It stops at one pair per
     row so that the caller merges the rows of many tensors in one reduction: finished here, each
-    tensor's norms took a small reduction kernel of their own after the pass.
+    tensor's norms took a small reduction kernel of their own after the pass. A 0-d array is a
+    vector of one element.
     """
+    xs = [jnp.atleast_1d(x) for x in xs]
     operands, inits = [], []
     for x in xs:
         operands += [jnp.abs(x), jnp.ones_like(x)]

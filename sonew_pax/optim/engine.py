@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,8 @@ def preconditioned(ndim: int, precondition_1d: bool) -> bool:
     return ndim >= 2 or precondition_1d
 
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+Implementation = Literal["auto", "xla", "pallas"]
+IMPLEMENTATIONS = get_args(Implementation)
 
 
 def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
@@ -451,6 +452,12 @@ def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
     return not _empty(layout) and preconditioned(len(layout.layer.shape), hyper.precondition_1d)
 
 
+def _has_axis(layout: ChainLayout) -> bool:
+    """Whether the tensor (each stacked one) has an axis 0, along which the kernels lay out its
+    chain: a 0-d tensor, a chain of one element, steps on XLA."""
+    return bool(layout.layer.shape)
+
+
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
     """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a GPU kernel."""
     return (
@@ -458,6 +465,7 @@ def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyp
         and _platform(kernels) == "gpu"
         and not layout.stack
         and _has_chain(layout, hyper)
+        and _has_axis(layout)
         and pallas.supported(layout, band, kernels)
     )
 
@@ -487,6 +495,7 @@ def _on_tpu_kernel(
         and _platform(kernels) == "tpu"
         and not layout.stack
         and _has_chain(layout, hyper)
+        and _has_axis(layout)
         and pallas.tpu.block_shape(pallas.local_shape(layout), band, kernels) is not None
     )
 
