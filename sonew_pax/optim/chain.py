@@ -81,11 +81,6 @@ def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
     return run(_shift(x, k, layout, 0))
 
 
-def shift_many(xs: list[jax.Array], k: int, layout: ChainLayout) -> list[jax.Array]:
-    """:func:`shift` of several tensors of one layout (sharded, their slabs travel together)."""
-    return run(parallel([_shift(x, k, layout, 0) for x in xs]))
-
-
 def edges_of(last: jax.Array, first: jax.Array, layout: ChainLayout) -> Program:
     """An exchange program returning the chain neighbours of the local block's first and last
     rows along axis 0, from the block's ``last`` rows (``before`` of them) and ``first`` rows
