@@ -140,3 +140,10 @@ def test_signature_shows_no_kernel_config_repr(factory):
     signature = str(inspect.signature(factory))
     assert "KernelConfig(" not in signature
     assert inspect.signature(factory).parameters["kernel_config"].default is None
+
+
+def test_a_constant_schedule_equals_its_rate():
+    """``learning_rate`` takes an optax schedule (``optax.ScalarOrSchedule``)."""
+    params = {"w": jnp.ones((3, 2)), "b": jnp.ones((2,))}
+    scheduled = sonew(optax.constant_schedule(1e-3), damping="absolute")
+    _close(_run(scheduled, params, 3)[0], _run(sonew(1e-3, damping="absolute"), params, 3)[0])
