@@ -10,8 +10,7 @@ import numpy as np
 import optax
 import pytest
 
-from sonew_pax.optim import scale_by_sonew, sonew
-from sonew_pax.optim.sonew import MAX_BAND
+from sonew_pax.optim import MAX_BAND, scale_by_sonew, sonew
 from tests.sonew_reference import DenseSONew
 
 # Small hyperparameters shared by the optimizer and the dense reference.

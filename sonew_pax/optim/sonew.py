@@ -421,7 +421,7 @@ def scale_by_sonew(
             raise ValueError(
                 "band must be a concrete int when the state is initialised: it decides the "
                 "state's shapes. Under optax.inject_hyperparams, keep it static: "
-                "inject_hyperparams(sonew, static_args=('band',))."
+                "inject_hyperparams(sonew, static_args=('band',)), or call init outside jit."
             )
         params = _as_arrays(params)
         _check_real_floats(params, "parameters")
