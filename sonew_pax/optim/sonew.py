@@ -75,8 +75,8 @@ Damping = Literal["absolute", "mean", "max"]
 GRAFTS = get_args(Graft)
 DAMPINGS = get_args(Damping)
 # The widest band accepted. The banded solve is unrolled (``solve``: ``O(band^3)`` operations per
-# element, traced and compiled as such), so compile time grows at least as ``band^3``; wider bands
-# are refused rather than left to compile for hours.
+# element, traced and compiled as such), so compile time grows at least as ``band^3``: wider bands
+# are refused rather than left to compile without bound.
 MAX_BAND = 16
 # Defaults. ``eps`` is relative: each tensor's diagonal is damped by ``eps`` times the mean of its
 # bias-corrected diagonal ``d_hat`` (``damping="mean"``), so its best value does not follow the
@@ -326,8 +326,7 @@ def scale_by_sonew(
         are unaffected. On the autoencoder benchmark 0.016 worse on average over 4 seeds (within
         the seeds' spread); it is what lets the kernels apply the update (module docstring).
       kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); ``None``:
-        ``kernels.DEFAULT``, which is
-        the fastest measured.
+        ``kernels.DEFAULT``, the fastest measured.
       damping: how ``eps`` damps the diagonal: ``"mean"`` (default) adds ``eps`` times the mean
         of the tensor's bias-corrected diagonal ``d_hat``; ``"absolute"`` adds ``eps`` itself (its
         best value follows the gradients' squared scale, so it changes with the model); ``"max"``
