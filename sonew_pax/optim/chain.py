@@ -81,11 +81,6 @@ def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
     return run(_shift(x, k, layout, 0))
 
 
-def shift_many(xs: list[jax.Array], k: int, layout: ChainLayout) -> list[jax.Array]:
-    """:func:`shift` of several tensors of one layout (sharded, their slabs travel together)."""
-    return run(parallel([_shift(x, k, layout, 0) for x in xs]))
-
-
 def edges_of(last: jax.Array, first: jax.Array, layout: ChainLayout) -> Program:
     """An exchange program returning the chain neighbours of the local block's first and last
     rows along axis 0, from the block's ``last`` rows (``before`` of them) and ``first`` rows
@@ -371,8 +366,10 @@ def norm_pairs(xs: list[jax.Array]) -> jax.Array:
     One variadic reduction over the pairs (:func:`_nrm2_combine`) for all ``xs`` together: the
     inputs are read once instead of four times for two two-pass norms. It stops at one pair per
     row so that the caller merges the rows of many tensors in one reduction: finished here, each
-    tensor's norms took a small reduction kernel of their own after the pass.
+    tensor's norms took a small reduction kernel of their own after the pass. A 0-d array is a
+    vector of one element.
     """
+    xs = [jnp.atleast_1d(x) for x in xs]
     operands, inits = [], []
     for x in xs:
         operands += [jnp.abs(x), jnp.ones_like(x)]

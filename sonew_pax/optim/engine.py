@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
@@ -55,7 +55,37 @@ def preconditioned(ndim: int, precondition_1d: bool) -> bool:
     return ndim >= 2 or precondition_1d
 
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas")
+Implementation = Literal["auto", "xla", "pallas"]
+IMPLEMENTATIONS = get_args(Implementation)
+
+
+class Leaves(NamedTuple):
+    """The whole tree's tensors, each field a list in the tree's leaf order."""
+
+    grads: list[jax.Array]
+    m: list[jax.Array]
+    d: list[jax.Array]
+    e: list[Any]  # (band, *shape) arrays, or optax.MaskedNode
+    layouts: list[ChainLayout]
+
+
+class LeafStep(NamedTuple):
+    """One tensor's step before grafting.
+
+    Attributes:
+      u: the direction (Adam's for tensors that are not preconditioned), or the new parameters
+        where a kernel applied the update.
+      m: the new first moment.
+      d: the new diagonal.
+      e: the new off-diagonals (as the state's ``e``).
+      pairs: the local norm pairs (``chain.norm_pairs``; ``None`` without them).
+    """
+
+    u: jax.Array
+    m: jax.Array
+    d: jax.Array
+    e: Any
+    pairs: jax.Array | None
 
 
 def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
@@ -236,15 +266,15 @@ def _leaf_step(
     edge: pallas.Edges | None = None,
     tpu: KernelConfig | None = None,
     apply: pallas.Apply | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array, Any, jax.Array | None]:
-    """One tensor's SONew step (module docstring) before grafting, on XLA: ``(u, m, d, e,
-    graft)``; band 1 with its ``edge`` (:func:`_edges`); as a TPU kernel (``kernels.tpu``, with
+) -> LeafStep:
+    """One tensor's SONew step (module docstring) before grafting, on XLA: a :class:`LeafStep`;
+    band 1 with its ``edge`` (:func:`_edges`); as a TPU kernel (``kernels.tpu``, with
     its ``edge``) given its config ``tpu`` (:func:`_on_tpu_kernel`), which writes the parameters
     in ``u``'s place given their fused ``apply`` (:func:`_kernel_apply`).
 
     ``u`` is the direction (Adam's for tensors that are not preconditioned) in the arithmetic's
     dtype (``pointwise.compute_dtype``).
-    ``graft`` is ``None`` without norm pairs (:func:`_has_norms`), else the local pairs of
+    ``pairs`` is ``None`` without norm pairs (:func:`_has_norms`), else the local pairs of
     :func:`_normed`'s arrays as ``(4, rows)`` or ``(6, rows)`` (``chain.norm_pairs``): the
     kernels' per-tile pairs with a tile per row, which :func:`_norm_results` merges with every
     other tensor's.
@@ -257,20 +287,20 @@ def _leaf_step(
             g, m, d, e, pre, post, corrections, hyper, block, interpret=_interpret(tpu),
             apply=apply,
         )  # fmt: skip
-        return u, m, d, e, parts if _has_norms(hyper) else None
+        return LeafStep(u, m, d, e, parts if _has_norms(hyper) else None)
     raw = _raw(g, m, d)
     if not preconditioned(len(layout.shape), hyper.precondition_1d) or _empty(layout):
         # Adam's direction; for an empty tensor (a 0-size dimension) an empty update.
         m_new, d_new = pointwise.moments(raw, hyper)
         adam = pointwise.adam_direction(m_new, d_new, corrections, hyper)
-        return adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None
+        return LeafStep(adam, m_new.astype(m.dtype), d_new.astype(d.dtype), e, None)
     step, grafting = _banded_step(raw, e, band, corrections, hyper, layout, edge)
     e_new = e if step.e is None else step.e.reshape(e.shape).astype(e.dtype)
-    return step.u, step.m.astype(m.dtype), step.d.astype(d.dtype), e_new, grafting
+    return LeafStep(step.u, step.m.astype(m.dtype), step.d.astype(d.dtype), e_new, grafting)
 
 
 def _leaf_steps(
-    leaves: list[list],
+    leaves: Leaves,
     halos: list,
     edges: list,
     applies: list,
@@ -278,9 +308,8 @@ def _leaf_steps(
     hyper: Hyper,
     kernels: KernelConfig | None,
     diag: tuple[jax.Array, list] | None = None,
-) -> list[tuple]:
-    """Every tensor's step before grafting (``leaves``: the gradients, ``m``, ``d``, ``e`` and
-    layouts, each a list over the tensors): with ``kernels``
+) -> list[LeafStep]:
+    """Every tensor's step before grafting (:class:`LeafStep`, of ``leaves``): with ``kernels``
     (:func:`kernels_enabled`) the steps of the tensors (or shards) where ``kernels.supported`` as
     Pallas kernels (bands >= 1 with their state's ``halos``, :func:`_halos`, and their chain
     neighbours beyond the block, ``edges``, :func:`_edges`; with ``applies[k]``,
@@ -332,7 +361,7 @@ def _leaf_steps(
                 config=kernels,
             )
             for k, result in zip(part, results, strict=True):
-                steps[k] = result
+                steps[k] = LeafStep(*result)
     return steps
 
 
@@ -347,7 +376,7 @@ def _stacked_step(
     edge: pallas.Edges | None,
     kernels: KernelConfig | None = None,
     stats: jax.Array | None = None,
-) -> tuple:
+) -> LeafStep:
     """The step of a tensor whose leading ``layout.stack`` dimensions stack tensors (a layer axis):
     each stacked tensor's step, vectorized (``jax.vmap``) over those dimensions flattened into one,
     so the stack is traced and compiled once, not once per tensor. Each stacked tensor has its own
@@ -386,7 +415,7 @@ def _stacked_step(
             [g], [m], [d], [e], corrections, hyper, interpret=interpret, halos=halos,
             edges=edges, diag=None if stat is None else (stat, [0]), config=kernels,
         )  # fmt: skip
-        return result
+        return LeafStep(*result)
 
     if kernels is None:
         # A relative damping's eps, one per stacked tensor (_leaf_steps), where it has a chain.
@@ -396,10 +425,12 @@ def _stacked_step(
     rows = _stack_edge_rows(edge, band, g.shape[k:], n)
     e_in = e if band == 0 else _stack_flat(e, k, lead=1)
     u, m_new, d_new, e_new, pairs = jax.vmap(
-        one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=(0, 0, 0, 1, 0)
+        one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=LeafStep(0, 0, 0, 1, 0)
     )(*(_stack_flat(x, k) for x in (g, m, d)), e_in, rows, per_tensor)
     e_new = e_new if band == 0 else e_new.reshape(e.shape)
-    return u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
+    return LeafStep(
+        u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
+    )
 
 
 def _stack_edge_rows(
@@ -451,6 +482,12 @@ def _has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
     return not _empty(layout) and preconditioned(len(layout.layer.shape), hyper.precondition_1d)
 
 
+def _has_axis(layout: ChainLayout) -> bool:
+    """Whether the tensor (each stacked one) has an axis 0, along which the kernels lay out its
+    chain: a 0-d tensor, a chain of one element, steps on XLA."""
+    return bool(layout.layer.shape)
+
+
 def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper) -> bool:
     """Whether :func:`_leaf_steps` runs this preconditioned tensor's step as a GPU kernel."""
     return (
@@ -458,6 +495,7 @@ def _on_kernel(kernels: KernelConfig | None, layout: ChainLayout, band: int, hyp
         and _platform(kernels) == "gpu"
         and not layout.stack
         and _has_chain(layout, hyper)
+        and _has_axis(layout)
         and pallas.supported(layout, band, kernels)
     )
 
@@ -487,6 +525,7 @@ def _on_tpu_kernel(
         and _platform(kernels) == "tpu"
         and not layout.stack
         and _has_chain(layout, hyper)
+        and _has_axis(layout)
         and pallas.tpu.block_shape(pallas.local_shape(layout), band, kernels) is not None
     )
 
@@ -542,7 +581,7 @@ def _halos(
     return halos
 
 
-def _edges(leaves: list[list], hyper: Hyper, kernels: KernelConfig | None) -> list:
+def _edges(leaves: Leaves, hyper: Hyper, kernels: KernelConfig | None) -> list:
     """The ``edges`` (``kernels.Edges``) of every band >= 1 kernel tensor, every band-1 tensor on
     XLA and every sharded band >= 2 tensor on XLA thick enough to extend (:func:`_extends`),
     ``None`` for the others: those of the tensors of one layout, band and statistics
@@ -781,25 +820,25 @@ def make_step(
 
     def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)
-        leaves = [treedef.flatten_up_to(x) for x in (updates, m, d, e, layouts)]
-        n = len(leaves[0])
+        leaves = Leaves(*(treedef.flatten_up_to(x) for x in (updates, m, d, e, layouts)))
+        n = len(leaves.grads)
         params, decayed = (
             [treedef.flatten_up_to(x) for x in (apply.params, apply.decayed)]
             if apply is not None
             else ([None] * n, [None] * n)
         )
-        layouts = leaves[4]
+        layouts = leaves.layouts
         slots = _slots(layouts, hyper.precondition_1d)
         lagged = [
             None if ratio is None or k is None else _slot_values(ratio, k, lay)
             for k, lay in zip(slots, layouts, strict=True)
         ]
-        halos = _halos(*leaves[1:4], layouts, hyper, kernels)
+        halos = _halos(leaves.m, leaves.d, leaves.e, layouts, hyper, kernels)
         edges = _edges(leaves, hyper, kernels)
         fused_apply = [
             _kernel_apply(apply, p, flag, ei, slot, ratio, hyper, lay, kernels)
             for ei, slot, lay, p, flag in zip(
-                leaves[3], slots, layouts, params, decayed, strict=True
+                leaves.e, slots, layouts, params, decayed, strict=True
             )
         ]
         steps = _leaf_steps(
@@ -812,20 +851,20 @@ def make_step(
             kernels,
             None if diag is None else (diag, slots),
         )
-        ratios, scales = _norm_results([step[4] for step in steps], layouts, hyper)
+        ratios, scales = _norm_results([step.pairs for step in steps], layouts, hyper)
         out: list[list[Any]] = [[] for _ in range(4)]
         for g, step, fresh, old, p, flag, leaf_apply, lay in zip(
-            leaves[0], steps, ratios, lagged, params, decayed, fused_apply, layouts, strict=True
+            leaves.grads, steps, ratios, lagged, params, decayed, fused_apply, layouts, strict=True
         ):
             if leaf_apply is not None:  # the kernel wrote the parameters
-                x = step[0]
+                x = step.u
             else:
                 fresh = None if fresh is None else _per_tensor(fresh, lay)
-                x = _graft(step[0], fresh, old).astype(g.dtype)
+                x = _graft(step.u, fresh, old).astype(g.dtype)
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)
-            for k, y in enumerate((x, *step[1:4])):
+            for k, y in enumerate((x, step.m, step.d, step.e)):
                 out[k].append(y)
         new_ratio = None if ratio is None else _gathered(ratios, ratio, slots, layouts)
         new_diag = None if diag is None else _gathered(scales, diag, slots, layouts)

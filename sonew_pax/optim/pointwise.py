@@ -4,7 +4,7 @@ For band 0 and band 1 every output at chain position ``j`` is a function of the 
 stored state at ``j - 1``, ``j`` and ``j + 1`` only (Theorem 1 in closed form). These functions take
 those values as arrays -- however they were obtained -- and return the step's outputs:
 
-* the XLA path (``sonew.py``) passes whole tensors and their chain shifts (``chain.shift``);
+* the XLA path (``engine.py``) passes whole tensors (or shards' blocks) and their chain shifts;
 * the Pallas kernels (``kernels``) pass the blocks they loaded at ``j`` and at the chain neighbours
   of ``j``.
 

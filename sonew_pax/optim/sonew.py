@@ -39,8 +39,9 @@ References:
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, get_args
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,7 @@ from sonew_pax.optim.chain import ChainLayout
 from sonew_pax.optim.engine import (
     IMPLEMENTATIONS,
     ApplyArgs,
+    Implementation,
     make_step,
     preconditioned,
     slot_count,
@@ -68,8 +70,14 @@ from sonew_pax.optim.state import (
 )
 from sonew_pax.optim.transform import GradientTransformationWithApply
 
-GRAFTS = ("adam", "none")
-DAMPINGS = ("absolute", "mean", "max")
+Graft = Literal["adam", "none"]
+Damping = Literal["absolute", "mean", "max"]
+GRAFTS = get_args(Graft)
+DAMPINGS = get_args(Damping)
+# The widest band accepted. The banded solve is unrolled (``solve``: ``O(band^3)`` operations per
+# element, traced and compiled as such), so compile time grows at least as ``band^3``: wider bands
+# are refused rather than left to compile without bound.
+MAX_BAND = 16
 # Defaults. ``eps`` is relative: each tensor's diagonal is damped by ``eps`` times the mean of its
 # bias-corrected diagonal ``d_hat`` (``damping="mean"``), so its best value does not follow the
 # gradients' squared scale as an absolute one does (whose best moved from 1.3e-6 on the paper's
@@ -165,13 +173,54 @@ def _static_band(band: Any) -> int | None:
         raise ValueError(f"band must be an int (0 diag, 1 tridiag, b banded), got {band!r}.")
     if value != np.round(value) or value < 0:
         raise ValueError(f"band must be an int >= 0 (0 diag, 1 tridiag, b banded), got {band!r}.")
+    if value > MAX_BAND:
+        raise ValueError(
+            f"band must be at most {MAX_BAND}, got {band!r}: the banded solve is unrolled, and "
+            "its compile time grows at least as band^3."
+        )
     return int(value)
+
+
+def usable_band(band: int, shape: tuple[int, ...], stack: int = 0) -> int:
+    """The band a tensor of ``shape`` (its first ``stack`` axes stacking tensors) can use.
+
+    A chain of ``n`` elements has ``n - 1`` off-diagonals: with ``band >= n - 1`` its graph is
+    complete and the LogDet solution is ``H^{-1}`` whatever the band, so wider bands would only
+    store zeros. A 0-d tensor is a chain of one element (band 0).
+
+    Args:
+      band: the band asked for.
+      shape: the tensor's shape.
+      stack: how many leading axes of ``shape`` stack tensors, each a chain of its own.
+
+    Returns:
+      ``min(band, n - 1)`` for chains of ``n >= 1`` elements, 0 for empty ones.
+    """
+    return min(band, max(math.prod(shape[stack:]) - 1, 0))
 
 
 def _as_dtype(dtype: Any) -> np.dtype:
     """A dtype from a dtype-like, or from the array ``optax.inject_hyperparams`` makes of one (it
-    treats callables such as ``jnp.float32`` as schedules and calls them)."""
+    treats callables such as ``jnp.float32`` as schedules and calls them; the defaults are
+    strings, which it leaves alone)."""
     return jnp.dtype(getattr(dtype, "dtype", dtype))
+
+
+def _as_arrays(tree: Any) -> Any:
+    """``tree`` with every leaf an array (optax's transformations take Python numbers too)."""
+    return jax.tree.map(jnp.asarray, tree)
+
+
+def _check_shapes(updates: Any, moments: Any) -> None:
+    """Raises ``ValueError`` naming the first gradient whose shape is not its parameter's (that of
+    its first moment ``moments``, which ``init`` made in the parameter's shape)."""
+    expected = jax.tree.structure(updates).flatten_up_to(moments)
+    for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates), expected, strict=True):
+        if jnp.shape(g) != jnp.shape(m):
+            raise ValueError(
+                f"The gradient {jax.tree_util.keystr(path)} has shape {jnp.shape(g)}, but its "
+                f"parameter had shape {jnp.shape(m)} at init."
+            )
 
 
 def _validate(hyper: Hyper, graft_lag: bool, mesh: Any, param_specs: Any) -> None:
@@ -190,10 +239,6 @@ def _validate(hyper: Hyper, graft_lag: bool, mesh: Any, param_specs: Any) -> Non
         raise ValueError("mesh and param_specs must be given together (or both left None).")
 
 
-def _is_none(x: Any) -> bool:
-    return x is None
-
-
 State = ScaleBySONewState | ScaleBySONewLagState | ScaleBySONewDampedState
 
 
@@ -203,18 +248,18 @@ def scale_by_sonew(
     eps: float = DEFAULT_EPS,
     band: int = 1,
     gamma: float = DEFAULT_GAMMA,
-    graft: str = "adam",
+    graft: Graft = "adam",
     graft_eps: float = 1e-8,
     precondition_1d: bool = False,
-    stats_dtype: Any = jnp.float32,
+    stats_dtype: jax.typing.DTypeLike = "float32",
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    mu_dtype: Any = None,
-    offdiag_dtype: Any = None,
-    implementation: str = "auto",
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    offdiag_dtype: jax.typing.DTypeLike | None = None,
+    implementation: Implementation = "auto",
     graft_lag: bool = DEFAULT_GRAFT_LAG,
-    kernel_config: KernelConfig = pallas.DEFAULT,
-    damping: str = DEFAULT_DAMPING,
+    kernel_config: KernelConfig | None = None,
+    damping: Damping = DEFAULT_DAMPING,
     stacked_axes: Any = None,
     stack_by_shape: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
@@ -225,7 +270,12 @@ def scale_by_sonew(
       b2: decay of the banded second-moment statistics ``d`` and ``e``.
       eps: damping added to the bias-corrected diagonal of ``H``: by default relative to the
         tensor's diagonal, or as given (``damping``).
-      band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2).
+      band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2), at most
+        :data:`MAX_BAND`. A tensor whose chain has ``n <= band`` elements keeps ``n - 1``
+        off-diagonals (:func:`usable_band`): its graph is complete already. Structural (it sets
+        the state's shapes): ``init`` needs it concrete, so under ``optax.inject_hyperparams``
+        either pass it in ``static_args`` or call ``init`` outside ``jit``; ``update`` reads it
+        from the state.
       gamma: Algorithm 3's tolerance: the chain is cut after vertex ``j`` when its Schur
         complement is ``<= gamma * H_jj`` (or undefined / not finite).
       graft: ``"adam"`` rescales each tensor's direction to the norm of Adam's; ``"none"``.
@@ -235,6 +285,9 @@ def scale_by_sonew(
       stats_dtype: dtype of ``d`` (float32 even for bf16 parameters), and of ``m`` and ``e``
         unless ``mu_dtype`` / ``offdiag_dtype`` say otherwise. The arithmetic runs in it, or in
         float32 where it is narrower: bf16 statistics are stored in bf16, computed in float32.
+        Any dtype-like; the default is a string because ``optax.inject_hyperparams`` calls
+        callables such as ``jnp.float32`` as schedules (pass strings under it, as for
+        ``mu_dtype`` and ``offdiag_dtype``, or list them in ``static_args``).
       mesh: a ``jax.sharding.Mesh``; with ``param_specs``, the update runs under ``shard_map``,
         each device on its block of every tensor (halos from the neighbouring shards), and
         equals the single-device update.
@@ -272,8 +325,8 @@ def scale_by_sonew(
         (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
         are unaffected. On the autoencoder benchmark 0.016 worse on average over 4 seeds (within
         the seeds' spread); it is what lets the kernels apply the update (module docstring).
-      kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); the default is
-        the fastest measured.
+      kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); ``None``:
+        ``kernels.DEFAULT``, the fastest measured.
       damping: how ``eps`` damps the diagonal: ``"mean"`` (default) adds ``eps`` times the mean
         of the tensor's bias-corrected diagonal ``d_hat``; ``"absolute"`` adds ``eps`` itself (its
         best value follows the gradients' squared scale, so it changes with the model); ``"max"``
@@ -314,9 +367,14 @@ def scale_by_sonew(
       ``u``; elsewhere XLA adds ``u`` as ``optax.apply_updates`` would.
 
     Raises:
-      ValueError: a hyperparameter out of range (concrete values, arrays included), naming it.
+      ValueError: a hyperparameter out of range (concrete values, arrays included), naming it;
+        from ``update``, a gradient whose shape is not its parameter's, naming its path and both
+        shapes.
       TypeError: from ``init`` and ``update``: a parameter or gradient that is not a real
         floating-point array (integer, bool, complex), naming its path.
+
+    As optax's transformations, ``init`` and ``update`` take Python numbers as leaves (0-d
+    arrays) and ``None`` leaves (empty subtrees, left ``None``).
 
     Non-finite gradients. One rule for every band, on both implementations: a non-finite entry of
     a tensor's gradient makes that tensor's update non-finite at the entries within ``band`` chain
@@ -351,6 +409,7 @@ def scale_by_sonew(
             f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
         )
     static_band = _static_band(band)
+    kernel_config = pallas.DEFAULT if kernel_config is None else kernel_config
     relative = damping != "absolute"
     stats_dtype = _as_dtype(stats_dtype)
     mu_dtype = stats_dtype if mu_dtype is None else _as_dtype(mu_dtype)
@@ -361,8 +420,9 @@ def scale_by_sonew(
             raise ValueError(
                 "band must be a concrete int when the state is initialised: it decides the "
                 "state's shapes. Under optax.inject_hyperparams, keep it static: "
-                "inject_hyperparams(sonew, static_args=('band',))."
+                "inject_hyperparams(sonew, static_args=('band',)), or call init outside jit."
             )
+        params = _as_arrays(params)
         _check_real_floats(params, "parameters")
         # Each state array is created where its parameter lives (as optax's follow the
         # parameters), or by mesh and param_specs; the scalars replicated on that mesh.
@@ -371,16 +431,17 @@ def scale_by_sonew(
         stacks = sharding.stack_counts(stacked_axes, params)
 
         def off_diagonals(p: jax.Array, at: Any, stack: int) -> Any:
-            if static_band == 0 or not preconditioned(jnp.ndim(p) - stack, precondition_1d):
+            band = usable_band(static_band, jnp.shape(p), stack)
+            if band == 0 or not preconditioned(jnp.ndim(p) - stack, precondition_1d):
                 return optax.MaskedNode()
-            return sharding.zeros_beside(p, offdiag_dtype, at, band=static_band)
+            return sharding.zeros_beside(p, offdiag_dtype, at, band=band)
 
         like = lambda dtype: lambda p, at: sharding.zeros_beside(p, dtype, at)  # noqa: E731
         state = ScaleBySONewState(
             count=sharding.zeros((), jnp.int32, scalar),
-            m=jax.tree.map(like(mu_dtype), params, where, is_leaf=_is_none),
-            d=jax.tree.map(like(stats_dtype), params, where, is_leaf=_is_none),
-            e=jax.tree.map(off_diagonals, params, where, stacks, is_leaf=_is_none),
+            m=jax.tree.map(like(mu_dtype), params, where),
+            d=jax.tree.map(like(stats_dtype), params, where),
+            e=jax.tree.map(off_diagonals, params, where, stacks),
         )
         # graft_lag's ratios and a relative damping's statistics: one number per preconditioned
         # tensor each (per stacked tensor), in one array (a scalar per tensor would be one small
@@ -398,6 +459,8 @@ def scale_by_sonew(
         return ScaleBySONewLagState(*state, ratio) if graft_lag else state
 
     def advance(updates, state, apply: ApplyArgs | None):
+        _check_real_floats(updates, "gradients")
+        _check_shapes(updates, state.m)
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
@@ -421,8 +484,7 @@ def scale_by_sonew(
         **extra_args: Any,
     ) -> tuple[optax.Updates, State]:
         del params, extra_args
-        _check_real_floats(updates, "gradients")
-        return advance(updates, state, None)
+        return advance(_as_arrays(updates), state, None)
 
     def apply_fn(
         updates: optax.Updates,
@@ -435,7 +497,7 @@ def scale_by_sonew(
         **extra_args: Any,
     ) -> tuple[optax.Params, State]:
         del extra_args
-        _check_real_floats(updates, "gradients")
+        updates, params = _as_arrays((updates, params))
         numbers = (jnp.asarray(x, stats_dtype) for x in (scale, weight_decay))
         return advance(updates, state, ApplyArgs(params, *numbers, _decay_flags(mask, params)))
 
@@ -458,12 +520,14 @@ def _stacked_by_shape(
         return entry(stacked_axes=list(grouping.stacks), param_specs=grouping.specs(param_specs))
 
     def init_fn(params: optax.Params) -> StackedByShapeState:
+        params = _as_arrays(params)
         _check_real_floats(params, "parameters")
         grouping = grouping_lib.grouping_of(params, stacked_axes, param_specs)
         return StackedByShapeState(over(grouping).init(grouping.pack(params)), grouping)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
+        updates = _as_arrays(updates)
         _check_real_floats(updates, "gradients")
         grouping = state.grouping
         packed, inner = over(grouping).update(grouping.pack(updates), state.inner)
@@ -471,6 +535,7 @@ def _stacked_by_shape(
 
     def apply_fn(updates, state, params, *, scale=1.0, weight_decay=0.0, mask=None, **extra):
         del extra
+        params = _as_arrays(params)
         direction, state = update_fn(updates, state)
         scale, weight_decay = (
             jnp.asarray(x, _as_dtype(stats_dtype)) for x in (scale, weight_decay)
@@ -493,20 +558,20 @@ def sonew(
     eps: float = DEFAULT_EPS,
     band: int = 1,
     gamma: float = DEFAULT_GAMMA,
-    graft: str = "adam",
+    graft: Graft = "adam",
     graft_eps: float = 1e-8,
     weight_decay: float = 0.0,
     mask: Any = None,
     precondition_1d: bool = False,
-    stats_dtype: Any = jnp.float32,
+    stats_dtype: jax.typing.DTypeLike = "float32",
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    mu_dtype: Any = None,
-    offdiag_dtype: Any = None,
-    implementation: str = "auto",
+    mu_dtype: jax.typing.DTypeLike | None = None,
+    offdiag_dtype: jax.typing.DTypeLike | None = None,
+    implementation: Implementation = "auto",
     graft_lag: bool = DEFAULT_GRAFT_LAG,
-    kernel_config: KernelConfig = pallas.DEFAULT,
-    damping: str = DEFAULT_DAMPING,
+    kernel_config: KernelConfig | None = None,
+    damping: Damping = DEFAULT_DAMPING,
     stacked_axes: Any = None,
     stack_by_shape: bool = False,
 ) -> GradientTransformationWithApply:
@@ -535,21 +600,24 @@ def sonew(
       b2: decay of the banded second-moment statistics ``d`` and ``e``.
       eps: damping added to the bias-corrected diagonal of ``H``.
       band: ``0`` diag-SONew, ``1`` tridiag-SONew (Theorem 1), ``b`` banded (Theorem 2).
-        Structural: with ``optax.inject_hyperparams`` pass it in ``static_args``.
+        At most :data:`MAX_BAND`. Structural: with ``optax.inject_hyperparams`` pass it in
+        ``static_args`` (or initialise outside ``jit``).
       gamma: Algorithm 3's tolerance for cutting the chain.
       graft: ``"adam"`` (default) or ``"none"``.
       graft_eps: epsilon of the Adam direction used for grafting.
       weight_decay: decoupled weight decay, as ``optax.adamw``'s.
       mask: which parameters decay, as ``optax.adamw``'s mask (a tree of bools or a function).
       precondition_1d: precondition tensors with fewer than 2 dimensions too.
-      stats_dtype: dtype of ``d`` and of the arithmetic.
+      stats_dtype: dtype of ``d`` and of the arithmetic (a string under
+        ``optax.inject_hyperparams``, which calls ``jnp.float32`` as a schedule).
       mesh: the mesh the update runs on under ``shard_map`` (with ``param_specs``).
       param_specs: the parameters' ``PartitionSpec``s (or ``NamedSharding``s) on ``mesh``.
       mu_dtype: storage dtype of the first moment (optax's name); ``None``: ``stats_dtype``.
       offdiag_dtype: storage dtype of the off-diagonal statistics; ``None``: ``stats_dtype``.
       implementation: ``"auto"``, ``"xla"`` or ``"pallas"``.
       graft_lag: scale by the previous step's graft ratio (lets the kernels apply the update).
-      kernel_config: how the GPU kernels tile and launch (``kernels.KernelConfig``).
+      kernel_config: how the GPU kernels tile and launch (``kernels.KernelConfig``; ``None``:
+        the default one).
       damping: ``"absolute"`` (``eps`` as given), or ``eps`` relative to each tensor's
         bias-corrected diagonal at the previous step: its ``"mean"`` or ``"max"`` (the first
         update is then zero).

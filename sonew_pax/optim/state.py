@@ -3,7 +3,6 @@ with ``stack_by_shape``, in its stack's)."""
 
 from typing import Any, NamedTuple
 
-import chex
 import jax
 import optax
 
@@ -19,7 +18,7 @@ class ScaleBySONewState(NamedTuple):
         ``optax.MaskedNode()`` for tensors that are not preconditioned (or ``band == 0``).
     """
 
-    count: chex.Array
+    count: jax.Array
     m: optax.Updates
     d: optax.Updates
     e: optax.Updates
@@ -42,7 +41,7 @@ class ScaleBySONewLagState(NamedTuple):
         which the update writes in one kernel.
     """
 
-    count: chex.Array
+    count: jax.Array
     m: optax.Updates
     d: optax.Updates
     e: optax.Updates
@@ -65,7 +64,7 @@ class ScaleBySONewDampedState(NamedTuple):
         writes it in one kernel, where a scalar per tensor would take one each.
     """
 
-    count: chex.Array
+    count: jax.Array
     m: optax.Updates
     d: optax.Updates
     e: optax.Updates
