@@ -29,8 +29,10 @@ Benchmark", tables (a) float32 and (b) bfloat16), mapped to optax / `sonew_pax.o
   graft ε: the Adam-graft ε keeps the authors' JAX code's default 1e-8 (`--sonew_graft_eps eps`
   ties it to ε instead). Caveat: the authors' tridiagonal code (init2winit `tds`) adds ε relative
   to each tensor's max absolute row sum of H (ε·||H||_∞) by default, while their banded code adds
-  it absolutely; our sonew only has the absolute form, so the paper's ε may mean a different
-  damping here; `--sweep` scans ε over 8 decades for that reason. The paper gives no
+  it absolutely. This script's default, `--sonew_damping absolute`, adds the paper's ε as given,
+  so the paper's ε may mean a different damping here; `--sweep` scans ε over 8 decades for that
+  reason. `--sonew_damping mean --sonew_eps default` runs `sonew()`'s own default instead: ε 0.1
+  relative to the mean of each tensor's bias-corrected diagonal. The paper gives no
   hyperparameters for band-10: band-4's are used. No weight decay anywhere (the paper has none).
 - sonew_tridiag_lag: sonew_tridiag with `graft_lag=True` (each step scaled by the previous step's
   graft ratio; the first update is zero) and tridiag's hyperparameters: does the lag cost loss?

@@ -20,9 +20,15 @@ Protocol:
 * Optimizers: AdamW (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 on matrices); Adafactor as in
   the paper (unfactored second moment with Adam-style bias-corrected decay b2, momentum b1 0.9,
   update clipping 1.0 by block RMS, weight decay 1e-3); tridiagonal SONew (band 1, b1 0.9,
-  b2 0.95, Adam grafting, weight decay 0.1, eps 1e-9). Each gets a sweep of the same number of peak
-  learning rates; SONew's damping ``eps`` can be swept too (``--sonew_eps`` a comma list: its
-  runs are then the grid learning rates x eps values).
+  b2 0.95, Adam grafting, weight decay 0.1) with the library's damping: ``damping="mean"``,
+  ``eps`` 0.1, i.e. a tenth of the mean of each tensor's bias-corrected diagonal at the previous
+  step (`sonew_pax.optim.sonew`). That ``eps`` is relative and keeps its meaning across models;
+  with ``--sonew_damping absolute`` it is added as given, on the gradients' squared scale, where
+  the best values for these LMs were 1e-9 to 1e-10, eight to nine orders of magnitude below the
+  relative default: an absolute value passed with the default damping damps almost nothing.
+  Each optimizer gets a sweep of the same number of peak learning rates; SONew's ``eps`` can be
+  swept too (``--sonew_eps`` a comma list: its runs are then the grid learning rates x eps
+  values).
 * One compiled train step per optimizer: the peak learning rate (and SONew's eps) lives in the
   optimizer state (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
 * Held-out loss every ``--eval_every`` steps (and at step 0 and at the end) on the first
@@ -49,7 +55,8 @@ faint; and the best runs vs seconds of training steps). ``ms_per_step`` excludes
 ``seconds_ratio_vs_adamw`` is ``steps_ratio_vs_adamw`` times the step-time ratio.
 
 Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` for CPU;
-``--sonew_eps 1e-10,1e-9,1e-8`` sweeps SONew's eps as well; ``--seeds 0,1,2`` runs every setting
+``--sonew_eps 1e-2,3e-2,1e-1`` sweeps SONew's (relative) eps as well, ``--sonew_damping absolute
+--sonew_eps 1e-10,1e-9,1e-8`` the absolute one's; ``--seeds 0,1,2`` runs every setting
 from each seed (one process, one compiled step per optimizer); ``--merge A.json B.json`` merges
 results of other seeds or more settings; ``--processes N`` runs the sweep in N processes at once,
 one per GPU (each a share of the run order, ``--shard k/N``), and merges their runs;
@@ -83,7 +90,7 @@ OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
 SOURCES = ("shakespeare", "shakespeare+kjv", "python_code")
 BASELINE = "adamw"
 CANDIDATE = "sonew_tridiag"
-LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (README "Results")
+LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (benchmarks/README.md)
 DEFAULT_LRS = dict.fromkeys(OPTIMIZERS, LRS)
 B1, B2 = 0.9, 0.95
 DEFAULT_SONEW_EPS = optim.DEFAULT_EPS  # the library's defaults (sonew's docstring)
