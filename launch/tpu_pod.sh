@@ -31,7 +31,7 @@
 #   REMOTE_DIR        where the code goes on each worker (default sonew_pax, under $HOME).
 #   MOUNT_ROOT        where buckets are mounted on the workers (default /mnt/gcs).
 #   GCSFUSE           1 (default): train into the gcsfuse mount; 0: pass MODEL_DIR as gs://
-#                     (no mount). Keep one choice for the whole run: see README.
+#                     (no mount). Keep one choice for the whole run: see docs/pods.md.
 #   DETACH            1: start training under nohup (log in REMOTE_DIR/train.log) and return.
 #   DRY_RUN           1: as --dry_run.
 set -euo pipefail

@@ -46,7 +46,7 @@ MODELS = ("tiny", "1b")
 OPTIMIZERS = ("adamw", "sonew_tridiag", "sonew_band4")
 # Batch and model sizes as the configs set them; sequences within tiny's max_len (128).
 MESH_2X4 = ("SEQ_LEN = 128", "make_mesh.data = 2", "make_mesh.model = 4")
-# TRAIN_STEPS as in the README's v4-32 command (beyond the schedule's warmup).
+# TRAIN_STEPS as in docs/pods.md's v4-32 command (beyond the schedule's warmup).
 REQUIRED = ('MODEL_DIR = "/unused"', "TRAIN_STEPS = 100000")
 V4_32_DEVICES = 16
 
