@@ -19,7 +19,10 @@ Protocol:
   ``runs/pretrain.gin``) for all.
 * Optimizers: AdamW (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1 on matrices); Adafactor as in
   the paper (unfactored second moment with Adam-style bias-corrected decay b2, momentum b1 0.9,
-  update clipping 1.0 by block RMS, weight decay 1e-3); tridiagonal SONew (band 1, b1 0.9,
+  update clipping 1.0 by block RMS, weight decay 1e-3); Muon (`sonew_pax.optimizers.muon`:
+  ``optax.contrib.muon`` on the hidden matrices with momentum 0.95 and consistent RMS 0.2, AdamW
+  b1 0.9, b2 0.95 on the embedding, output and norms, weight decay 0.1 on Muon's matrices);
+  tridiagonal SONew (band 1, b1 0.9,
   b2 0.95, Adam grafting, weight decay 0.1) with the library's damping: ``damping="mean"``,
   ``eps`` 0.1, i.e. a tenth of the mean of each tensor's bias-corrected diagonal at the previous
   step (`sonew_pax.optim.sonew`). That ``eps`` is relative and keeps its meaning across models;
@@ -86,7 +89,7 @@ from sonew_pax import data, optim, optimizers, partitioning, train_state
 from sonew_pax.models import Transformer, count_params
 from sonew_pax.trainer import Trainer
 
-OPTIMIZERS = ("adamw", "adafactor", "sonew_tridiag")
+OPTIMIZERS = ("adamw", "adafactor", "muon", "sonew_tridiag")
 SOURCES = ("shakespeare", "shakespeare+kjv", "python_code")
 BASELINE = "adamw"
 CANDIDATE = "sonew_tridiag"
@@ -104,6 +107,13 @@ HYPERPARAMS = {
         "eps": 1e-30,
         "clipping_threshold": 1.0,
         "weight_decay": 1e-3,
+    },
+    "muon": {
+        "beta": B2,
+        "consistent_rms": 0.2,
+        "weight_decay": 0.1,
+        "adam_b1": B1,
+        "adam_b2": B2,
     },
     "sonew_tridiag": {
         "band": 1,
@@ -140,7 +150,12 @@ RUN_COLUMNS = (
     "min_eval_loss",
     "ms_per_step",
 )
-COLORS = {"adamw": "tab:blue", "adafactor": "tab:green", "sonew_tridiag": "tab:red"}
+COLORS = {
+    "adamw": "tab:blue",
+    "adafactor": "tab:green",
+    "muon": "tab:purple",
+    "sonew_tridiag": "tab:red",
+}
 
 
 # ---------------------------------------------------------------------------------- optimizers
@@ -211,6 +226,8 @@ def base_factory(name: str, hp: dict):
         return functools.partial(optimizers.adamw, **hp)
     if name == "adafactor":
         return functools.partial(adafactor_unfactored, **hp)
+    if name == "muon":
+        return functools.partial(optimizers.muon, **hp)
     if name == "sonew_tridiag":
         return functools.partial(optimizers.sonew, **hp)
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")

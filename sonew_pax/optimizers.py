@@ -141,6 +141,88 @@ def adafactor(
     )
 
 
+# Parameters that Muon leaves to AdamW whatever their shape: the token embedding, the learned
+# positions and the output projection (Muon's recipe: orthogonalised steps for hidden matrices).
+MUON_EXCLUDED = ("embedding", "pos_embedding", "output")
+# Kernels whose input is their first two axes, (heads, kv): the attention output projection.
+_TWO_AXIS_INPUTS = ("out",)
+
+
+def muon_dimension_numbers(stacked_axes: Any = None) -> Callable[[Any], Any]:
+    """Which parameters Muon orthogonalises, and as which matrix: a function of the parameters.
+
+    A hidden kernel with two or more dimensions besides its ``stacked_axes`` (a scanned model's
+    layer axis, which Muon treats as a batch of matrices) is the matrix from its input axes to its
+    output axes: the attention output projection ``(heads, kv, embed)`` reduces over its first two
+    axes, every other kernel (``(embed, heads, kv)``, ``(embed, mlp)``, ``(mlp, embed)``) over its
+    first. Norm scales and `MUON_EXCLUDED` get None: AdamW steps them.
+
+    Args:
+      stacked_axes: leading axes that stack layers (the trainer's, from the logical "layers" axis).
+
+    Returns:
+      ``params -> tree`` of ``optax.contrib.MuonDimensionNumbers`` or None, as
+      ``optax.contrib.muon``'s ``muon_weight_dimension_numbers`` takes it.
+    """
+
+    def dimension_numbers(params: Any) -> Any:
+        stacks = optim.stack_counts(stacked_axes, params)
+
+        def leaf(path, p, stack):
+            names = [getattr(key, "key", None) for key in path]
+            if p.ndim - stack < 2 or any(name in MUON_EXCLUDED for name in names):
+                return None
+            inputs = 2 if names[-1] in _TWO_AXIS_INPUTS else 1
+            axes = tuple(range(stack, p.ndim))
+            return optax.contrib.MuonDimensionNumbers(axes[:inputs], axes[inputs:])
+
+        return jax.tree_util.tree_map_with_path(leaf, params, stacks)
+
+    return dimension_numbers
+
+
+@gin.configurable
+def muon(
+    learning_rate: Schedule,
+    *,
+    beta: float = 0.95,
+    ns_steps: int = 5,
+    consistent_rms: float | None = 0.2,
+    weight_decay: float = 0.1,
+    adam_b1: float = 0.9,
+    adam_b2: float = 0.95,
+    adam_eps: float = 1e-8,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+    stacked_axes: Any = None,
+) -> optax.GradientTransformation:
+    """optax.contrib.muon on the hidden matrices, AdamW on the rest (`muon_dimension_numbers`).
+
+    With ``consistent_rms`` (0.2, Liu et al. 2025) Muon's steps have AdamW's root-mean-square
+    size, so AdamW's learning rate and weight decay carry over; both branches follow
+    ``learning_rate``. ``weight_decay`` applies to Muon's matrices; the AdamW branch (embedding,
+    output projection, norm scales) is not decayed (optax's default for it). Mesh and specs are
+    unused: the Newton-Schulz iteration runs on whole matrices, which XLA gathers on a sharded
+    mesh.
+
+    References:
+      Jordan et al., Muon (2024); Liu et al., "Muon is Scalable for LLM Training" (2025).
+    """
+    del mesh, param_specs
+    return optax.contrib.muon(
+        learning_rate,
+        ns_steps=ns_steps,
+        beta=beta,
+        eps=adam_eps,
+        weight_decay=weight_decay,
+        weight_decay_mask=matrices(stacked_axes),
+        adam_b1=adam_b1,
+        adam_b2=adam_b2,
+        muon_weight_dimension_numbers=muon_dimension_numbers(stacked_axes),
+        consistent_rms=consistent_rms,
+    )
+
+
 def _with_defaults(fn: Callable[..., Any], **defaults: Any) -> Callable[..., Any]:
     """``fn`` with other defaults for some of its keyword arguments, and ``fn``'s signature.
 

@@ -16,7 +16,7 @@ ARGV = [
     "--model", "tiny", "--layers", "1", "--batch_size", "2", "--seq_len", "16",
     "--steps", "20", "--eval_every", "10", "--eval_batches", "2", "--warmup_steps", "4",
     "--lrs_adamw", "1e-3,3e-3", "--lrs_adafactor", "1e-3,3e-3", "--lrs_sonew", "1e-3,3e-3",
-    "--sonew_eps", "1e-8,1e-5",
+    "--sonew_eps", "1e-8,1e-5", "--lrs_muon", "1e-3",
 ]  # fmt: skip
 EPS = [1e-8, 1e-5]
 
@@ -125,7 +125,8 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     assert written["config"]["steps"] == 20 and written["config"]["tokenizer"].startswith("byte")
 
     assert written["config"]["hyperparameters"]["sonew_tridiag"]["eps"] == EPS
-    assert len(written["runs"]) == 8
+    assert len(written["runs"]) == 9
+    assert {r["optimizer"] for r in written["rows"]} == set(lm_convergence.OPTIMIZERS)
     grid = {
         (r["learning_rate"], r["eps"]) for r in written["runs"] if r["optimizer"] == "sonew_tridiag"
     }
@@ -225,7 +226,7 @@ def test_mean_over_seeds():
 def test_two_seeds_compare_mean_curves(tmp_path):
     out = tmp_path / "seeds.json"
     argv = [*ARGV[:12], "--steps", "4", "--eval_every", "2", "--warmup_steps", "1"]
-    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", "1e-3"]
+    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", "1e-3", "--lrs_muon", ""]
     written = lm_convergence.main([*argv, *lrs, "--seeds", "0,1", "--out", str(out)])
     assert {(r["optimizer"], r["seed"]) for r in written["runs"]} == {
         (name, seed) for name in ("adamw", "sonew_tridiag") for seed in (0, 1)
@@ -297,7 +298,7 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
 def test_sentencepiece_vocabulary_binds_the_model(tmp_path):
     out = tmp_path / "spm.json"
     argv = [*ARGV[:12], "--steps", "2", "--eval_every", "2", "--warmup_steps", "1"]
-    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", ""]
+    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_sonew", "", "--lrs_muon", ""]
     written = lm_convergence.main([*argv, *lrs, "--spm_vocab", "512", "--out", str(out)])
     assert written["config"]["tokenizer"] == "sentencepiece unigram (vocab 512)"
     args = lm_convergence.parse_args([*argv, "--spm_vocab", "512"])
@@ -310,7 +311,7 @@ def test_processes_split_the_sweep_and_combine_to_the_same_runs(tmp_path):
     """--processes 2 runs each setting once, in one of two child processes, and combines them
     into what one process gives (CPU: the same numbers)."""
     argv = [*ARGV[: ARGV.index("--lrs_adamw")], "--lrs_adamw", "1e-3", "--lrs_adafactor", ""]
-    argv += ["--lrs_sonew", "1e-3,3e-3", "--sonew_eps", "1e-8"]
+    argv += ["--lrs_sonew", "1e-3,3e-3", "--sonew_eps", "1e-8", "--lrs_muon", ""]
     one = lm_convergence.main([*argv, "--out", str(tmp_path / "one.json")])
     out = tmp_path / "two.json"
     two = lm_convergence.main([*argv, "--processes", "2", "--out", str(out)])

@@ -1,0 +1,98 @@
+"""The Muon baseline (`optimizers.muon`): which parameters it takes, as which matrices, and that
+the trainer trains with it."""
+
+import dataclasses
+
+import flax.linen as nn
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from sonew_pax import optimizers, partitioning
+from sonew_pax.models import Transformer, TransformerConfig
+from sonew_pax.trainer import Trainer
+
+CONFIG = TransformerConfig(
+    vocab_size=64, d_model=16, num_layers=2, num_heads=2, head_dim=8, mlp_dim=32, max_len=16,
+    mlp_activation="swiglu", tie_embeddings=False,
+)  # fmt: skip
+
+
+def _params(config):
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    return nn.unbox(Transformer(config).init(jax.random.key(0), tokens)["params"])
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_hidden_kernels_are_muon_matrices_from_their_inputs(scan_layers):
+    config = dataclasses.replace(CONFIG, scan_layers=scan_layers)
+    params = _params(config)
+    stacked = partitioning.LAYERS if scan_layers else None
+    numbers = optimizers.muon_dimension_numbers(
+        (lambda p: {k: int(k == stacked) for k in p}) if scan_layers else None
+    )(params)
+    layer = numbers[partitioning.LAYERS if scan_layers else "layer_0"]
+    k = int(scan_layers)
+    mdn = optax.contrib.MuonDimensionNumbers
+    assert layer["attn"]["query"] == mdn((k,), (k + 1, k + 2))
+    assert layer["attn"]["out"] == mdn((k, k + 1), (k + 2,))
+    assert layer["mlp"]["wo"] == mdn((k,), (k + 1,))
+    assert layer["attn_norm"]["scale"] is None
+    assert numbers["embedding"] is None and numbers["output"] is None
+    assert numbers["final_norm"]["scale"] is None
+
+
+def test_a_head_shaped_kernel_steps_as_its_matrix():
+    """Muon on a (embed, heads, kv) kernel is Muon on the (embed, heads * kv) matrix."""
+    grads = jax.random.normal(jax.random.key(1), (3, 16, 2, 8))
+    tx = optimizers.muon(1e-2)
+    matrix_tx = optax.contrib.muon(1e-2, consistent_rms=0.2, weight_decay=0.1, adam_b2=0.95)
+
+    def run(tx, params, grads):
+        state = tx.init(params)
+        for g in grads:
+            updates, state = tx.update(g, state, params)
+            params = optax.apply_updates(params, updates)
+        return params
+
+    kernel = {"layer_0": {"attn": {"query": jnp.ones((16, 2, 8))}}}
+    got = run(tx, kernel, [{"layer_0": {"attn": {"query": g}}} for g in grads])
+    want = run(matrix_tx, jnp.ones((16, 16)), [g.reshape(16, 16) for g in grads])
+    np.testing.assert_allclose(
+        got["layer_0"]["attn"]["query"].reshape(16, 16), want, rtol=1e-5, atol=1e-6
+    )
+
+
+def test_the_trainer_trains_with_muon_gin():
+    gin.clear_config()
+    try:
+        gin.parse_config_files_and_bindings(["configs/optimizers/muon.gin"], [])
+        factory = gin.get_configurable(optimizers.make_optimizer)
+        mesh = partitioning.make_mesh(data=1, model=1, devices=jax.devices()[:1])
+        trainer = Trainer(
+            Transformer(CONFIG),
+            factory,
+            optax.constant_schedule(3e-3),
+            mesh,
+            partitioning.logical_axis_rules(),
+            (4, 16),
+            seed=0,
+        )
+    finally:
+        gin.clear_config()
+    rng = np.random.default_rng(0)
+    tokens = np.cumsum(rng.integers(1, 3, (4, 17)), axis=1) % CONFIG.vocab_size
+    batch = {
+        "inputs": tokens[:, :-1].astype(np.int32),
+        "targets": tokens[:, 1:].astype(np.int32),
+        "weights": np.ones((4, 16), np.float32),
+    }
+    state = trainer.init_state(0)
+    losses = []
+    for _ in range(30):
+        state, metrics = trainer.step(state, batch)
+        losses.append(float(metrics["loss"]))
+    assert np.all(np.isfinite(losses)) and losses[-1] < 0.7 * losses[0]
