@@ -7,13 +7,16 @@ checks it there against the same reference).
 """
 
 import dataclasses
+import logging
 
+import gin
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+from sonew_pax import loop, train
 from sonew_pax.models import Transformer, TransformerConfig, attention, attention_choice, losses
 
 TINY = TransformerConfig(
@@ -209,3 +212,27 @@ def test_training_with_splash_attention_follows_the_reference():
     assert reference[-1] < 0.5 * reference[0]  # it learned
     np.testing.assert_allclose(splash[-1], reference[-1], rtol=0.01)
     np.testing.assert_allclose(splash, reference, rtol=0.02)
+
+
+def test_the_trainer_says_at_start_when_attention_falls_back(caplog):
+    """A run whose configuration the asked-for kernel cannot take logs the fallback as a
+    warning when the trainer is built (shapes only: nothing compiles)."""
+    gin.clear_config()
+    try:
+        train.parse_gin(
+            ["runs/pretrain.gin", "models/tiny.gin", "optimizers/adamw.gin"],
+            [
+                'MODEL_DIR = "/unused"',
+                "TRAIN_STEPS = 100000",
+                'TransformerConfig.attention = "splash"',
+                "TransformerConfig.dropout_rate = 0.1",
+            ],
+            [],
+        )
+        with caplog.at_level(logging.INFO):
+            loop.configured_trainer()
+    finally:
+        gin.clear_config()
+    (record,) = [r for r in caplog.records if r.getMessage().startswith("Attention:")]
+    assert record.levelno == logging.WARNING
+    assert "attention dropout (0.1) is not supported by splash" in record.getMessage()
