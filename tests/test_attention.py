@@ -224,6 +224,7 @@ def test_the_trainer_says_at_start_when_attention_falls_back(caplog):
             [
                 'MODEL_DIR = "/unused"',
                 "TRAIN_STEPS = 100000",
+                "SEQ_LEN = 128",
                 'TransformerConfig.attention = "splash"',
                 "TransformerConfig.dropout_rate = 0.1",
             ],
