@@ -22,20 +22,69 @@ Output: a table, and ``--out`` (default ``benchmarks/results/tpu_compile.json``)
 "date", "params", "config", "rows": [{"optimizer", "hbm_b_per_param", "ratio_vs_adamw",
 "fusions", "copies", "compile_s"}]}``.
 
-Usage: ``python -m benchmarks.tpu_compile [--topology v5e:2x2] [--optimizers adamw,sonew_tridiag]``.
+With ``--train_step GIN_FILE`` it compiles instead a run's whole train step (the one ``train`` runs,
+``loop.configured_trainer``) for all chips of ``--topology`` (e.g. ``v4:2x2x4``, a v4-32 slice),
+once per ``--step_optimizers`` entry (:data:`STEP_OPTIMIZERS`) and ``--step_layers`` depth, and
+reads per chip its compiled ``memory_analysis()`` (arguments, outputs, aliased, temporaries,
+generated code, peak; ``total_gib`` = arguments + outputs - aliased + temporaries + code, against
+the chip's HBM) and ``hbm_gb``, :func:`hbm_bytes` of the step's entry computation (a loop counts the
+arrays it carries, not its body's traffic per iteration). With two or more depths each entry also
+gets a row at the config's own depth, extrapolated linearly in layers from the two deepest
+(:func:`extrapolate`). Output (default ``benchmarks/results/tpu_compile_step.json``) as above, rows
+``{"optimizer", "layers", "extrapolated", *memory, "hbm_gb", "total_vs_adamw", "compile_s"}``.
+
+Usage: ``python -m benchmarks.tpu_compile [--topology v5e:2x2] [--optimizers adamw,sonew_tridiag]``,
+``python -m benchmarks.tpu_compile --train_step runs/pretrain_1b_v4_32.gin --topology v4:2x2x4``.
 """
 
 import argparse
 import collections
 import math
+import pathlib
 import re
 import time
+from collections.abc import Sequence
 
+import gin
+import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from benchmarks import common, lm_shapes, updates
+from sonew_pax import loop, partitioning, train
 
 COLUMNS = ("optimizer", "hbm_b_per_param", "ratio_vs_adamw", "fusions", "copies", "compile_s")
+# The train step's memory per chip, GiB, by ``memory_analysis()`` field.
+MEMORY_FIELDS = {
+    "argument_gib": "argument_size_in_bytes",
+    "output_gib": "output_size_in_bytes",
+    "alias_gib": "alias_size_in_bytes",
+    "temp_gib": "temp_size_in_bytes",
+    "code_gib": "generated_code_size_in_bytes",
+    "peak_gib": "peak_memory_in_bytes",
+}
+STEP_COLUMNS = ("optimizer", "layers", *MEMORY_FIELDS, "total_gib", "total_vs_adamw", "hbm_gb")
+# The train step's optimizers: gin files and bindings added to the run's config ("config": the
+# run's own; "config_pallas": with the TPU kernels, lowered as Mosaic kernels from this host).
+STEP_OPTIMIZERS = {
+    "adamw": (("optimizers/adamw.gin",), ()),
+    "config": ((), ()),
+    "config_pallas": (
+        (),
+        (
+            'sonew.implementation = "pallas"',
+            "sonew.kernel_config = @KernelConfig()",
+            'KernelConfig.platform = "tpu"',
+            "KernelConfig.interpret = False",
+        ),
+    ),
+}
+# Bindings every run config leaves required; nothing is written and no step runs.
+STEP_REQUIRED = ('MODEL_DIR = "/unused"', "TRAIN_STEPS = 100000")
+# TPU generations whose chips JAX runs as one device of two TensorCores.
+_MEGACORE = ("v4", "v5p")
+# HBM per chip, GiB, by device kind.
+HBM_GIB = {"TPU v4": 32, "TPU v5 lite": 16, "TPU v5": 95, "TPU v6 lite": 32}
+GIB = 2**30
 # Instructions that move no data of their own (aliases, views, bookkeeping): the async slice's and
 # copy's second halves are counted at their starts (reads) and ends (writes).
 _FREE = common.HLO_NO_TRAFFIC | {"after-all", "slice-done", "partition-id", "replica-id"}
@@ -123,17 +172,24 @@ def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -
     return capped
 
 
-def topology_device(name: str):
-    """One chip of TPU topology ``name`` (e.g. ``v5e:2x2``), compiled for without a TPU."""
+def topology_devices(name: str) -> list:
+    """The chips of TPU topology ``name`` (e.g. ``v5e:2x2``, ``v4:2x2x4``), compiled for without a
+    TPU: one device per chip, a megacore chip's two TensorCores as one (as JAX runs them)."""
     from jax.experimental import topologies
 
+    options = {"chip_config_name": "megacore"} if name.startswith(_MEGACORE) else {}
     try:
-        return topologies.get_topology_desc(topology_name=name, platform="tpu").devices[0]
+        return topologies.get_topology_desc(topology_name=name, platform="tpu", **options).devices
     except Exception as error:  # libtpu missing, or a name it does not know
         raise SystemExit(
             f"tpu_compile: no TPU topology {name!r} ({type(error).__name__}: {error}); this needs "
             "libtpu: pip install 'jax[tpu]' gives the version this JAX pins"
         ) from error
+
+
+def topology_device(name: str):
+    """One chip of TPU topology ``name`` (:func:`topology_devices`)."""
+    return topology_devices(name)[0]
 
 
 def compile_update(name: str, shapes, device) -> dict:
@@ -154,6 +210,131 @@ def compile_update(name: str, shapes, device) -> dict:
     }
 
 
+def compile_train_step(files: Sequence[str], bindings: Sequence[str], devices: Sequence) -> dict:
+    """The train step of gin config ``files`` + ``bindings`` compiled for ``devices`` (a TPU
+    topology's chips, in a mesh as the config's ``make_mesh`` lays it out), read per chip.
+
+    Args:
+      files: a run config, e.g. ``runs/pretrain_1b_v4_32.gin``, and any files that override it.
+      bindings: gin bindings applied after them (``STEP_REQUIRED`` are added).
+      devices: the chips (:func:`topology_devices`).
+
+    Returns:
+      ``{"layers", "params", *MEMORY_FIELDS, "total_gib", "hbm_gb", "compile_s"}``: the model's
+      depth and parameter count, the compiled program's memory per chip in GiB (``total_gib``:
+      arguments + outputs - aliased + temporaries + generated code), :func:`hbm_bytes` of its
+      entry computation in GB, and the seconds lowering and compiling took.
+    """
+    gin.clear_config()
+    try:
+        train.parse_gin(files, [*STEP_REQUIRED, *bindings], [])
+        trainer = loop.configured_trainer(partitioning.make_mesh(devices=devices))
+        start = time.perf_counter()
+        with partitioning.axis_rules_context(trainer.mesh, trainer.rules):
+            lowered = trainer.train_step.lower(
+                trainer.layout.abstract_with_shardings(), trainer.abstract_batch()
+            )
+        compiled = lowered.compile()
+        seconds = time.perf_counter() - start
+        layers = gin.query_parameter("TransformerConfig.num_layers")
+    finally:
+        gin.clear_config()
+    memory = compiled.memory_analysis()
+    row = {k: getattr(memory, field) / GIB for k, field in MEMORY_FIELDS.items()}
+    row["total_gib"] = (
+        row["argument_gib"] + row["output_gib"] - row["alias_gib"] + row["temp_gib"]
+    ) + row["code_gib"]
+    params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.layout.abstract.params))
+    return {
+        "layers": layers,
+        "params": params,
+        **row,
+        "hbm_gb": hbm_bytes(compiled.as_text())[0] / 1e9,
+        "compile_s": seconds,
+    }
+
+
+def extrapolate(rows: Sequence[dict], layers: int) -> list[dict]:
+    """Rows at depth ``layers`` from measured ``rows`` (:func:`compile_train_step`'s, with
+    ``optimizer``): for each optimizer measured at two or more depths, every number but
+    ``compile_s`` continued linearly in the depth through its two deepest rows.
+
+    Args:
+      rows: measured rows.
+      layers: the depth to extrapolate to.
+
+    Returns:
+      One row per optimizer measured at two depths or more, with ``"extrapolated": True``.
+    """
+    by_optimizer = collections.defaultdict(list)
+    for row in rows:
+        by_optimizer[row["optimizer"]].append(row)
+    found = []
+    for name, measured in by_optimizer.items():
+        if len(measured) < 2:
+            continue
+        low, high = sorted(measured, key=lambda r: r["layers"])[-2:]
+        scale = (layers - high["layers"]) / (high["layers"] - low["layers"])
+        numbers = [k for k, v in high.items() if isinstance(v, float) and k != "compile_s"]
+        found.append(
+            {
+                "optimizer": name,
+                "layers": layers,
+                "extrapolated": True,
+                "params": round(high["params"] + scale * (high["params"] - low["params"])),
+                **{k: high[k] + scale * (high[k] - low[k]) for k in numbers},
+            }
+        )
+    return found
+
+
+def train_step_rows(args: argparse.Namespace, devices: Sequence, result: dict) -> list[dict]:
+    """Compiles ``args.train_step`` for each ``--step_optimizers`` entry and ``--step_layers``
+    depth (the JSON at ``args.out`` rewritten after each), then adds :func:`extrapolate`'s rows at
+    the config's depth and each row's ``total_vs_adamw``.
+
+    Args:
+      args: the parsed flags.
+      devices: the topology's chips.
+      result: the JSON object, its ``rows`` filled in place.
+
+    Returns:
+      ``result["rows"]``.
+    """
+    rows = result["rows"]
+    for name in args.step_optimizers:
+        files, bindings = STEP_OPTIMIZERS[name]
+        for layers in args.step_layers or [None]:
+            depth = [f"TransformerConfig.num_layers = {layers}"] if layers else []
+            row = compile_train_step(
+                [args.train_step, *files], [*bindings, *depth, *args.gin], devices
+            )
+            rows.append({"optimizer": name, "extrapolated": False, **row})
+            print(
+                f"{name}, {row['layers']} layers: {row['total_gib']:.2f} GiB per chip "
+                f"({row['compile_s']:.0f} s)",
+                flush=True,
+            )
+            common.write_json(args.out, result)
+    rows += extrapolate(rows, _config_layers(args.train_step))
+    adamw = {(r["optimizer"], r["layers"]): r["total_gib"] for r in rows}
+    for row in rows:
+        base = adamw.get(("adamw", row["layers"]))
+        row["total_vs_adamw"] = row["total_gib"] / base if base else None
+    common.write_json(args.out, result)
+    return rows
+
+
+def _config_layers(gin_file: str) -> int:
+    """The model depth ``gin_file`` configures."""
+    gin.clear_config()
+    try:
+        train.parse_gin([gin_file], STEP_REQUIRED, [])
+        return gin.query_parameter("TransformerConfig.num_layers")
+    finally:
+        gin.clear_config()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = common.argument_parser(__doc__)
@@ -163,15 +344,74 @@ def parse_args(argv=None) -> argparse.Namespace:
         "adamw,sonew_diag,sonew_tridiag,sonew_tridiag_pallas,sonew_band4,sonew_band4_pallas",
     )
     lm_shapes.add_args(p, stack_layers=True)
-    p.add_argument("--topology", default="v5e:2x2", help="TPU topology compiled for (one chip)")
-    common.add_out_arg(p, "tpu_compile")
-    return p.parse_args(argv)
+    p.add_argument("--topology", default="v5e:2x2", help="TPU topology compiled for")
+    step = p.add_argument_group("train step (--train_step)")
+    step.add_argument("--train_step", metavar="GIN_FILE", help="compile this run's train step")
+    step.add_argument(
+        "--step_optimizers",
+        type=lambda text: [n for n in text.split(",") if n],
+        default=list(STEP_OPTIMIZERS),
+        help=f"comma-separated, of {', '.join(STEP_OPTIMIZERS)}",
+    )
+    step.add_argument(
+        "--step_layers",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="model depths to compile (comma-separated; default: the config's)",
+    )
+    step.add_argument(
+        "--gin", action="append", default=[], help="a gin binding to add (repeatable)"
+    )
+    p.add_argument("--out", type=pathlib.Path, help="JSON output path")
+    args = p.parse_args(argv)
+    unknown = sorted(set(args.step_optimizers) - set(STEP_OPTIMIZERS))
+    if unknown:
+        p.error(f"--step_optimizers: unknown {', '.join(unknown)}")
+    name = "tpu_compile_step" if args.train_step else "tpu_compile"
+    args.out = args.out or common.RESULTS / f"{name}.json"
+    return args
+
+
+def main_train_step(args: argparse.Namespace) -> dict:
+    """The ``--train_step`` mode: prints the table, writes and returns the JSON object."""
+    devices = topology_devices(args.topology)
+    kind = devices[0].device_kind
+    result = {
+        "device": f"{len(devices)} x {kind} (compiled without one, on {common.device_name()})",
+        "date": common.utc_date(),
+        "config": {
+            "gin_file": args.train_step,
+            "gin": args.gin,
+            "topology": args.topology,
+            "chips": len(devices),
+            "hbm_gib_per_chip": HBM_GIB.get(kind),
+            "libtpu": _libtpu_version(),
+            **common.run_config(args),
+        },
+        "rows": [],
+    }
+    train_step_rows(args, devices, result)
+    print(
+        f"\n{args.train_step} compiled for {result['device']}, libtpu {result['config']['libtpu']}"
+        f"; per chip, of {HBM_GIB.get(kind)} GiB HBM\n"
+    )
+    print(common.format_table(result["rows"], STEP_COLUMNS))
+    return result
+
+
+def _libtpu_version() -> str:
+    """The installed libtpu's version."""
+    from importlib import metadata
+
+    return metadata.version("libtpu")
 
 
 def main(argv=None) -> dict:
     """Runs the benchmark, prints the table, writes and returns the JSON object (rewritten after
     every optimizer)."""
     args = parse_args(argv)
+    if args.train_step:
+        return main_train_step(args)
     device = topology_device(args.topology)
     shapes = lm_shapes.from_args(args)
     result = common.lm_set_result(args, lm_shapes.count(shapes), topology=args.topology)

@@ -71,7 +71,7 @@ def new_state(params: PyTree, tx: optax.GradientTransformation) -> TrainState:
 
 def abstract_boxed_params(model: nn.Module, example_tokens: jax.ShapeDtypeStruct) -> PyTree:
     """Parameter shapes with their logical-axis boxes, without allocating anything."""
-    rng = jax.ShapeDtypeStruct((), jax.random.key(0).dtype)
+    rng = jax.eval_shape(jax.random.key, 0)
     return jax.eval_shape(lambda r: _init_params(model, r, example_tokens), rng)
 
 
