@@ -204,7 +204,13 @@ def test_train_iterator_format_and_exact_resume():
         assert batches[0][key].shape == (4, 64) and batches[0][key].dtype == dtype
     assert it.tokenizer.vocab_size == 256
     state = json.loads(json.dumps(it.get_state()))
-    assert state == {"step": 5, "seed": 1, "batch_size": 4}
+    assert state == {
+        "step": 5,
+        "seed": 1,
+        "batch_size": 4,
+        "source": "shakespeare",
+        "tokenizer": "ByteTokenizer(vocab_size=256)",
+    }
     expected = [next(it) for _ in range(3)]
 
     resumed = make_train_iterator(seq_len=64, batch_size=4, seed=1, prefetch=0)
