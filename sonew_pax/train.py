@@ -11,9 +11,13 @@ to the binding ``NAME = VALUE``), and ``--coordinator_address``/``--process_coun
 ``--process_index`` for multi-process runs (also read from the environment, e.g. SLURM; on Cloud
 TPU they are auto-detected: see `sonew_pax.distributed`).
 
-A run that cannot start or has to stop for a reason its user can fix (`errors.RunError`: a setting
-that cannot work, a misspelled macro, MODEL_DIR in use or holding another configuration's
-checkpoints, a diverged run) prints one line ``error: ...`` and exits with status 1.
+Exit status: 0 when the run reached TRAIN_STEPS. 1, with one line ``error: ...`` and no
+traceback, when it cannot start or has to stop for a reason its user can fix (`errors.RunError`:
+a setting that cannot work, a misspelled macro, MODEL_DIR in use or holding another
+configuration's checkpoints, a diverged run, a checkpoint that cannot be saved).
+`EXIT_STOPPED` (75, ``EX_TEMPFAIL``) when SIGTERM, SIGINT or a preemption notice stopped it
+after saving a checkpoint: rerun to resume (a scheduler that restarts failed jobs restarts it).
+`EXIT_INTERRUPTED` (130) when a second SIGINT stopped it without saving.
 
 What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-info.txt``
 (parameter and optimizer-state shapes, specs and counts), ``checkpoint_<step>/``,
@@ -36,6 +40,10 @@ from sonew_pax.errors import ConfigError, RunError
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 CONFIGS_DIR = PACKAGE_DIR.parent / "configs"
+
+# Exit statuses besides 0 (done) and 1 (`RunError`): see the module docstring.
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config files, parsed in order.")
@@ -177,6 +185,11 @@ def main(argv: Sequence[str]) -> None:
         result = loop.train()
     except RunError as error:
         sys.exit(f"error: {_without_gin_context(str(error))}")
+    except KeyboardInterrupt:
+        print("error: interrupted twice; stopped without saving the current step.", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
+    if result.preempted:
+        sys.exit(EXIT_STOPPED)
     logging.info("Finished at step %d (loss %s).", result.step, result.loss)
 
 
