@@ -28,6 +28,7 @@ checkpoint, loading the compiled train step from the cache.
 
 import difflib
 import logging as pylogging
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -72,9 +73,14 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
 
 def _own_info_only(record: pylogging.LogRecord) -> bool:
     """Log filter: this package's INFO lines and others' warnings, minus known noise (orbax's
-    INFO lines, and gin's "Path not found" for each search path it tries before the right one)."""
+    INFO lines, and gin's "Path not found" for each search path it tries before the right one).
+    Orbax's errors keep their line but lose their traceback: a checkpoint write that fails is
+    logged by each of orbax's threads it passes through (hundreds of lines), and
+    `checkpoints.Checkpoints` reports it, and its retry, in one line each."""
     if record.module == "resource_reader" and str(record.msg).startswith("Path not found"):
         return False
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+        record.exc_info = record.exc_text = None
     return record.levelno >= pylogging.WARNING or f"{PACKAGE_DIR}/" in record.pathname
 
 

@@ -9,12 +9,20 @@ One case of each kind (in process, 8 simulated devices, the test_trainer model):
   before anything is written, and a MODEL_DIR holding another configuration's checkpoints is a
   config mismatch that names the differing arrays;
 - one run per MODEL_DIR (`run_lock`), with stale locks taken over;
-- metrics.jsonl stays strict JSON (``null`` for non-finite values).
-The command line's exit status for these is checked in test_cli.py.
+- metrics.jsonl stays strict JSON (``null`` for non-finite values);
+- a checkpoint write that fails is retried at the next step (faults injected by conftest's
+  ``failing_saves``), and a run whose saves keep failing stops, keeping its last checkpoint;
+- a second Ctrl-C stops at once;
+- a resume that would continue with another schedule, data source, tokenizer or batch size is
+  a config mismatch naming it, unless allowed; each segment's config is kept;
+- user errors in MODEL_DIR, SEQ_LEN, the vocabulary or the corpus are refused at start, named.
+The command line's exit status for these is checked in test_cli.py; docs/reliability.md maps
+every case to its test.
 """
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -364,6 +372,14 @@ def test_metrics_jsonl_writes_null_for_non_finite_values(tmp_path):
     writer.close()
     (record,) = _strict_records(tmp_path)
     assert record == {"step": 1, "loss": None, "grad_norm": None, "learning_rate": 0.5}
+
+
+def test_cli_log_keeps_orbax_errors_to_their_line():
+    record = logging.LogRecord(
+        "absl", logging.ERROR, "/venv/site-packages/orbax/checkpoint/future.py", 1,
+        "save failed", (), (OSError, OSError(28, "No space left on device"), None),
+    )  # fmt: skip
+    assert train._own_info_only(record) and record.exc_info is None
 
 
 def test_cli_reports_a_run_error_in_one_line():
