@@ -74,10 +74,13 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
 def _own_info_only(record: pylogging.LogRecord) -> bool:
     """Log filter: this package's INFO lines and others' warnings, minus known noise (orbax's
     INFO lines, and gin's "Path not found" for each search path it tries before the right one).
-    Orbax's errors keep their line but lose their traceback: a checkpoint write that fails is
-    logged by each of orbax's threads it passes through (hundreds of lines), and
+    Orbax's errors keep their line but lose their traceback, and asyncio's "exception was never
+    retrieved" for orbax's abandoned writes is dropped: a checkpoint write that fails is logged
+    by each thread and future it passes through (hundreds of lines), and
     `checkpoints.Checkpoints` reports it, and its retry, in one line each."""
     if record.module == "resource_reader" and str(record.msg).startswith("Path not found"):
+        return False
+    if record.name == "asyncio" and "exception was never retrieved" in str(record.msg):
         return False
     if f"{os.sep}orbax{os.sep}" in record.pathname:
         record.exc_info = record.exc_text = None

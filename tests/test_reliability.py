@@ -380,6 +380,11 @@ def test_cli_log_keeps_orbax_errors_to_their_line():
         "save failed", (), (OSError, OSError(28, "No space left on device"), None),
     )  # fmt: skip
     assert train._own_info_only(record) and record.exc_info is None
+    abandoned = logging.LogRecord(
+        "asyncio", logging.ERROR, "/python/asyncio/base_events.py", 1,
+        "_GatheringFuture exception was never retrieved", (), None,
+    )  # fmt: skip
+    assert not train._own_info_only(abandoned)
 
 
 def test_cli_reports_a_run_error_in_one_line():
