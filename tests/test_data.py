@@ -28,6 +28,7 @@ from sonew_pax.data import (
     tokenizers,
     train_batches,
 )
+from sonew_pax.errors import RunError
 
 KEYS = ("inputs", "targets", "weights")
 
@@ -325,6 +326,10 @@ def test_missing_or_unknown_sources_fail_clearly(tmp_path):
         make_eval_batches(seq_len=8, batch_size=2, config=DataConfig(eval_fraction=0.0))
     with pytest.raises(ValueError, match="unknown tokenizer"):
         make_train_iterator(seq_len=8, batch_size=2, config=DataConfig(tokenizer="words"))
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "a.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(RunError, match=r"latin1/a.txt is not UTF-8 text \(byte 3: "):
+        sources.load_documents(f"text_dir:{tmp_path / 'latin1'}")
 
 
 def test_sentencepiece_pipeline(tmp_path):

@@ -523,6 +523,7 @@ def _corpus(root, files: dict[str, bytes]) -> str:
         ("not-utf8", r"text_dir source: .*/b.txt is not UTF-8 text \(byte 3: "),
         ("tiny", r"has \d+ tokens, 1 example\(s\) .* fewer than one batch \(BATCH_SIZE 8\)"),
         ("empty", r"no \*.txt files under"),
+        ("unknown-source", r"unknown data source 'shakespear'"),
     ],
 )
 def test_user_errors_are_refused_at_start_naming_the_cause(tmp_path, case, message):
@@ -535,6 +536,7 @@ def test_user_errors_are_refused_at_start_naming_the_cause(tmp_path, case, messa
         "not-utf8": [_corpus(tmp_path / "c1", {"a.txt": PLAY, "b.txt": b"abc\xff\xfe"})],
         "tiny": [_corpus(tmp_path / "c2", {"a.txt": b"twelve bytes"})],
         "empty": [_corpus(tmp_path / "c3", {})],
+        "unknown-source": ["DataConfig.source = 'shakespear'"],
     }[case]
     (tmp_path / "file").write_text("")
     configure(model_dir, *bindings)

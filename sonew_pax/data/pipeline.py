@@ -30,6 +30,7 @@ import numpy as np
 from absl import logging
 
 from sonew_pax.data import corpus, packing, seqio_adapter, sources, tokenizers
+from sonew_pax.errors import ConfigError
 
 Batch = dict[str, np.ndarray]
 
@@ -90,7 +91,10 @@ def get_tokenizer(config: DataConfig) -> tokenizers.Tokenizer:
             max_chars=config.spm_sample_chars,
         )
         return tokenizers.SentencePieceTokenizer(path)
-    raise ValueError(f"unknown tokenizer {config.tokenizer!r}; expected 'byte' or 'sentencepiece'")
+    raise ConfigError(
+        f"unknown tokenizer {config.tokenizer!r} (DataConfig.tokenizer); expected 'byte' or "
+        "'sentencepiece'"
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -196,7 +200,7 @@ def eval_batches(
     """
     local = local_batch_size(batch_size, process_count)
     if len(examples) == 0:
-        raise ValueError("the held-out split is empty (is DataConfig.eval_fraction 0?)")
+        raise corpus.CorpusError("the held-out split is empty (is DataConfig.eval_fraction 0?)")
     count = -(-len(examples) // batch_size) * batch_size
     blank = packing.empty_example(examples.seq_len, examples.pad_id)
     padded = grain.MapDataset.range(count).map(

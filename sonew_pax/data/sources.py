@@ -30,6 +30,7 @@ from collections.abc import Callable
 import grain
 
 from sonew_pax.data import corpus
+from sonew_pax.errors import ConfigError
 
 EMBEDDED: dict[str, Callable[[], list[str]]] = {
     "shakespeare": corpus.shakespeare_documents,
@@ -116,7 +117,7 @@ def load_documents(spec: str) -> list[str]:
         elif kind == "array_record" and argument:
             documents += array_record_documents(argument)
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown data source {kind + (':' + argument if argument else '')!r} in {spec!r}; "
                 f"expected one of {sorted(EMBEDDED)}, 'python:NAME', 'text_dir:PATH', "
                 "'array_record:PATTERN', 'seqio:TASK', joined with '+'"
