@@ -442,12 +442,13 @@ class Checkpoints:
         return self._failure is not None
 
     def _settle(self) -> None:
-        """Waits for the pending background write, if any; on success applies the ``keep``
-        limit and removes superseded partial saves, on failure sets `_failure` and removes the
-        write's directory."""
+        """Waits for the pending background write, if any, and sets `_failure` to how it
+        ended: on success (None) applies the ``keep`` limit and removes superseded partial
+        saves; on failure (the error) removes the write's directory."""
         step, self._pending = self._pending, None
         if step is None:
             return
+        self._failure = None
         try:
             self._manager.wait_until_finished()
             self._reload()
@@ -514,7 +515,11 @@ class Checkpoints:
         for path in self.model_dir.glob(f"{STEP_PREFIX}_*{PARTIAL_SUFFIX}*"):
             step = path.name.removeprefix(f"{STEP_PREFIX}_").split(PARTIAL_SUFFIX)[0]
             if step.isdigit() and int(step) <= up_to:
-                path.rmtree()
+                try:
+                    path.rmtree()
+                except OSError as error:  # tried again after the next save
+                    logging.warning("Could not remove %s: %s", path, error)
+                    continue
                 logging.info("Removed %s: step %d is saved.", path, up_to)
 
     def _set_aside_partial_saves(self) -> None:

@@ -2,6 +2,7 @@
 checkpoints falling back to the previous one (kept, renamed aside), SONew states (those written
 before ``graft_lag`` existed among them), and the metrics log."""
 
+import itertools
 import json
 import logging
 import pathlib
@@ -270,6 +271,18 @@ def test_failed_background_save_is_found_removed_and_retried(tmp_path, mesh_2x4,
     assert ckpts.save(_state(9, mesh_2x4), {"step": 9})  # the retry, at the next step
     ckpts.close()
     assert checkpoints.Checkpoints(tmp_path).steps() == [9]
+    assert leftovers(tmp_path) == []
+
+
+def test_save_that_fails_then_succeeds_on_a_retry(tmp_path, mesh_2x4, failing_saves, caplog):
+    ckpts = checkpoints.Checkpoints(tmp_path, retries=3, backoff_s=0.0)
+    writes = itertools.count()
+    failing_saves(lambda step: next(writes) < 2)  # the first attempt's two JSON items
+    with caplog.at_level(logging.WARNING):
+        assert ckpts.save(_state(8, mesh_2x4), {"step": 8}, wait=True)
+    ckpts.close()
+    assert any("Retrying the save of step 8" in r.getMessage() for r in caplog.records)
+    assert checkpoints.Checkpoints(tmp_path).steps() == [8]
     assert leftovers(tmp_path) == []
 
 
