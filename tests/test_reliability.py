@@ -37,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sonew_pax import checkpoints, data, loop, metrics, run_lock, train
+from sonew_pax import checkpoints, data, inference, loop, metrics, run_lock, train
 from sonew_pax.errors import ConfigError, RunError
 from tests.conftest import jax_config
 from tests.test_checkpoints import leftovers
@@ -543,3 +543,19 @@ def test_user_errors_are_refused_at_start_naming_the_cause(tmp_path, case, messa
     with pytest.raises(RunError, match=message):
         loop.train(eval_data=None)
     assert not model_dir.exists() and not (tmp_path / "file").read_text()
+
+
+def test_load_run_falls_back_when_the_newest_checkpoint_is_deleted_while_read(
+    healthy, tmp_path, monkeypatch
+):
+    _copy_checkpoints(healthy, tmp_path)
+    shutil.copy(healthy / "config.gin", tmp_path / "config.gin")
+    read = checkpoints.Checkpoints._restore_params_intact
+
+    def rotated_while_read(self, step, target):
+        if step == STEPS:  # the trainer's keep limit deletes it under the reader
+            shutil.rmtree(tmp_path / f"checkpoint_{STEPS}")
+        return read(self, step, target)
+
+    monkeypatch.setattr(checkpoints.Checkpoints, "_restore_params_intact", rotated_while_read)
+    assert inference.load_run(str(tmp_path)).step == PERIOD
