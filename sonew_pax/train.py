@@ -17,7 +17,8 @@ a setting that cannot work, a misspelled macro, MODEL_DIR in use or holding anot
 configuration's checkpoints, a diverged run, a checkpoint that cannot be saved).
 `EXIT_STOPPED` (75, ``EX_TEMPFAIL``) when SIGTERM, SIGINT or a preemption notice stopped it
 after saving a checkpoint: rerun to resume (a scheduler that restarts failed jobs restarts it).
-`EXIT_INTERRUPTED` (130) when a second SIGINT stopped it without saving.
+`EXIT_INTERRUPTED` (130) when SIGINT stopped it without saving: a second one, or one before the
+loop's handler is installed (while the data loads).
 
 What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-info.txt``
 (parameter and optimizer-state shapes, specs and counts), ``checkpoint_<step>/``,
@@ -195,7 +196,11 @@ def main(argv: Sequence[str]) -> None:
     except RunError as error:
         sys.exit(f"error: {_without_gin_context(str(error))}")
     except KeyboardInterrupt:
-        print("error: interrupted twice; stopped without saving the current step.", file=sys.stderr)
+        print(
+            "error: interrupted; the current step was not saved (rerun to resume from the "
+            "newest checkpoint).",
+            file=sys.stderr,
+        )
         sys.exit(EXIT_INTERRUPTED)
     if result.preempted:
         sys.exit(EXIT_STOPPED)
