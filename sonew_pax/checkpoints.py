@@ -26,6 +26,15 @@ Rules kept here:
   of the objects under each name, and neither name counts as a checkpoint (the ``.corrupt`` /
   ``.partial`` names are never listed; the original lacks its commit file or already failed to
   restore, and is set aside again on the next start).
+- A save that fails (a write error in orbax's background thread, e.g. a full disk or a file-size
+  limit) is found when its write ends: at the next step in single-process runs (`save_failed`),
+  at the next save or at `close` otherwise. Its unfinished directory is removed (the run that
+  wrote it knows it failed) and the save is retried at once with the state of that moment,
+  waiting ``backoff_s``, then twice as long, ..., up to ``retries`` times; `SaveError` then stops
+  the run. So a failure loses at most the steps since the previous successful save, and the
+  ``keep`` limit deletes an old checkpoint only once a newer one is complete. ``.partial``
+  directories of steps up to a complete checkpoint are removed once it is written (their steps
+  have been redone): failed attempts do not pile up.
 - Integrity: ``save`` computes, on device, each array's checksum (two wrapping uint32 sums of
   its bit patterns, one weighted by position: independent of the mesh) and whether it is finite.
   A state with a non-finite array is never saved (`NonFiniteStateError`), so the ``keep`` limit
@@ -35,7 +44,8 @@ Rules kept here:
 - A checkpoint whose arrays differ in name or shape from the run's (another model or optimizer
   in the same MODEL_DIR) is a configuration error (`ConfigMismatchError`, listing the
   differences), found from orbax's metadata before any array is read; nothing is renamed.
-- SIGTERM (preemption) sets a flag; the training loop saves at its current step and exits.
+- SIGTERM (preemption) and SIGINT (Ctrl-C) set a flag; the training loop saves at its current
+  step and exits. A second SIGINT raises KeyboardInterrupt (stop without saving).
 - Readers of a run's parameters (sampling, export: `Checkpoints.restore_params`) only read: they
   check the same checksums, skip a checkpoint that fails and rename nothing.
 """
@@ -44,8 +54,9 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Iterator
-from typing import Any, NamedTuple
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -68,12 +79,20 @@ ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
 COMMIT_FILE = "commit_success.txt"
 STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 ITEMS = ("state", "data", "manifest")
+T = TypeVar("T")
 # How many differing arrays a config-mismatch message lists.
 MISMATCH_LINES = 12
+# How many times MODEL_DIR is listed when a checkpoint vanishes while it is (a reader beside a
+# trainer whose ``keep`` limit deletes one checkpoint per save: the next listing is whole).
+LISTING_ATTEMPTS = 3
 
 
 class NonFiniteStateError(RunError):
     """A state to be saved holds NaN or infinity."""
+
+
+class SaveError(RunError):
+    """A checkpoint could not be written, retries included."""
 
 
 class ConfigMismatchError(RunError):
@@ -232,6 +251,23 @@ def was_committed(path: epath.Path) -> bool:
     return isinstance(metadata, dict) and metadata.get("commit_timestamp_nsecs") is not None
 
 
+def _listed(list_checkpoints: Callable[[], T]) -> T:
+    """``list_checkpoints()`` (orbax listing MODEL_DIR), tried again, up to `LISTING_ATTEMPTS`
+    times, when a checkpoint vanishes while it reads their metadata."""
+    for _ in range(LISTING_ATTEMPTS - 1):
+        try:
+            return list_checkpoints()
+        except (FileNotFoundError, NotADirectoryError) as error:
+            logging.warning("A checkpoint vanished while listed (%s); listing again.", error)
+    return list_checkpoints()
+
+
+def _first_line(error: Exception) -> str:
+    """``TypeName: first line of the message`` (orbax's errors can run to many lines)."""
+    lines = str(error).splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
 def _free_name(path: epath.Path, suffix: str) -> epath.Path:
     """A free name ``<path><suffix>`` (or ``<suffix>-1``, ``-2``, ...) next to ``path``."""
     candidate = path.with_name(path.name + suffix)
@@ -247,15 +283,29 @@ class Checkpoints:
 
     Args:
       model_dir: the run directory.
-      keep: how many of the newest checkpoints to keep (None: all).
+      keep: how many of the newest checkpoints to keep (None: all); an old one is deleted only
+        once a newer one is complete.
       async_save: write in a background thread (the arrays are copied to host before ``save``
         returns, so the next step may reuse their buffers).
+      retries: how many times a failed save is tried again before `save` raises `SaveError`.
+      backoff_s: the wait before the first retry; each next one waits twice as long.
     """
 
     def __init__(
-        self, model_dir: str | os.PathLike, keep: int | None = None, async_save: bool = True
+        self,
+        model_dir: str | os.PathLike,
+        keep: int | None = None,
+        async_save: bool = True,
+        retries: int = 0,
+        backoff_s: float = 1.0,
     ):
         self.model_dir = paths.model_dir(model_dir)
+        self._keep = keep
+        self._retries = retries
+        self._backoff_s = backoff_s
+        self._pending: int | None = None  # the step whose background write has not been checked
+        self._failure: Exception | None = None  # why the last checked write failed
+        self._failed_steps: set[int] = set()  # failed saves whose directories are not all gone
         # Object stores have no atomic rename: a commit file marks complete saves (orbax's own
         # default for gs://; set explicitly so s3:// and az:// get it too). Local: orbax's default.
         cloud_options = (
@@ -268,13 +318,19 @@ class Checkpoints:
             else {}
         )
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep,
+            max_to_keep=None,  # `_prune`: only after the newer save is known to be complete
             step_prefix=STEP_PREFIX,
             create=True,
             enable_async_checkpointing=async_save,
             **cloud_options,
         )
-        self._manager = ocp.CheckpointManager(self.model_dir, options=options, item_names=ITEMS)
+        self._manager = _listed(
+            lambda: ocp.CheckpointManager(self.model_dir, options=options, item_names=ITEMS)
+        )
+
+    def _reload(self) -> None:
+        """Lists MODEL_DIR's checkpoints again (orbax keeps a list)."""
+        _listed(self._manager.reload)
 
     def describe_newest(self) -> str:
         """Where a stopped run resumes from, in words (for error messages)."""
@@ -288,17 +344,59 @@ class Checkpoints:
         return sorted(self._manager.all_steps())
 
     def save(
-        self, state: TrainState, data_state: dict[str, Any], run: dict[str, Any] | None = None
+        self,
+        state: TrainState,
+        data_state: dict[str, Any],
+        run: dict[str, Any] | None = None,
+        *,
+        wait: bool = False,
     ) -> bool:
         """Saves ``state`` at its step with the data position and the trainer's counters ``run``
         (JSON); False if that step is on disk.
 
+        The write runs in the background unless ``wait`` is set or the previous save failed
+        (then this one is its retry): those are waited for, and retried on failure as the class
+        docstring says.
+
         Raises:
           NonFiniteStateError: an array of ``state`` holds NaN or infinity; nothing is written.
+          SaveError: the save and its ``retries`` failed; no directory of theirs is left.
         """
+        self._settle()
+        retrying = self._failure is not None
+        self._failure = None
         step = int(state.step)
         if step in self._manager.all_steps():
             return False
+        manifest = self._manifest(step, state, run)
+        items = ocp.args.Composite(
+            state=ocp.args.StandardSave(state),
+            data=ocp.args.JsonSave(data_state),
+            manifest=ocp.args.JsonSave(manifest),
+        )
+        waits = [self._backoff_s * 2**k for k in range(self._retries)]
+        for attempt, delay in enumerate([0.0, *waits]):
+            if attempt:
+                logging.warning(
+                    "Retrying the save of step %d in %.1f s (retry %d of %d).",
+                    step, delay, attempt, self._retries,
+                )  # fmt: skip
+                time.sleep(delay)
+            error = self._write(step, items, wait=wait or retrying or attempt > 0)
+            if error is None:
+                return True
+        raise SaveError(
+            f"could not save the checkpoint of step {step} in {self.model_dir} "
+            f"({self._retries + 1} attempts): {_first_line(error)}. {self.describe_newest()} "
+            "Free space or fix the storage, then rerun to resume from it."
+        ) from error
+
+    def _manifest(self, step: int, state: TrainState, run: dict[str, Any] | None) -> dict:
+        """The ``manifest`` item of ``state`` (module docstring).
+
+        Raises:
+          NonFiniteStateError: an array of ``state`` holds NaN or infinity.
+        """
         prints = fingerprint(state)
         bad = [name for name, (_, _, finite) in prints.items() if not finite]
         if bad:
@@ -307,20 +405,122 @@ class Checkpoints:
                 f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}); not saved. "
                 + self.describe_newest()
             )
-        manifest = {
+        return {
             "arrays": {name: {"dtype": d, "checksum": c} for name, (d, c, _) in prints.items()},
             "run": dict(run or {}),
         }
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state),
-                data=ocp.args.JsonSave(data_state),
-                manifest=ocp.args.JsonSave(manifest),
-            ),
-            force=True,
-        )
-        return True
+
+    def _write(self, step: int, items: ocp.args.Composite, wait: bool) -> Exception | None:
+        """Starts orbax's save of ``items`` at ``step``; with ``wait``, also waits for it.
+
+        Returns:
+          Why the write failed (its directory removed), or None: written, or still writing.
+        """
+        try:
+            self._manager.save(step, args=items, force=True)
+        except Exception as error:  # the part before the background thread: mkdir, metadata
+            logging.error("Checkpoint save at step %d failed: %s", step, _first_line(error))
+            self._reclaim_failed(step)
+            return error
+        self._pending = step
+        if wait:
+            self._settle()
+        return self._failure
+
+    def save_failed(self) -> bool:
+        """Whether the background write of the previous save ended in failure (its directory
+        removed); without waiting. The next `save` is then its retry.
+
+        Checked only in single-process runs: processes would otherwise see the write end at
+        different steps. Multi-process runs find a failure at the next `save` or at `close`.
+        """
+        if self._pending is None or jax.process_count() > 1:
+            return False
+        if self._manager.is_saving_in_progress():
+            return False
+        self._settle()
+        return self._failure is not None
+
+    def _settle(self) -> None:
+        """Waits for the pending background write, if any, and sets `_failure` to how it
+        ended: on success (None) applies the ``keep`` limit and removes superseded partial
+        saves; on failure (the error) removes the write's directory."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        self._failure = None
+        try:
+            self._manager.wait_until_finished()
+            self._reload()
+            if step not in self._manager.all_steps():
+                raise OSError(f"{checkpoint_dir(self.model_dir, step)} is missing after its save")
+        except Exception as error:
+            logging.error("Checkpoint save at step %d failed: %s", step, _first_line(error))
+            self._failure = error
+            self._reclaim_failed(step)
+            return
+        self._prune()
+        self._remove_partials(up_to=step)
+        self._remove_failed()
+
+    def _prune(self) -> None:
+        """Deletes the oldest complete checkpoints beyond ``keep``."""
+        if self._keep is not None:
+            for step in self.steps()[: -self._keep]:
+                self._manager.delete(step)
+
+    def _reclaim_failed(self, step: int) -> None:
+        """Notes that the save of ``step`` failed and removes what it left (`_remove_failed`)."""
+        self._failed_steps.add(step)
+        self._await_stray_writes()
+        self._remove_failed()
+        self._reload()
+
+    def _await_stray_writes(self) -> None:
+        """Waits for the writes of a failed save that orbax stopped waiting for: it awaits a
+        save's commit futures in order and raises at the first that fails, while the others
+        still write into the save's directory. Reaches into orbax's async checkpointer; where
+        that has no such futures, `_remove_failed` retries later instead."""
+        checkpointer = getattr(self._manager, "_checkpointer", None)
+        writes = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
+        for write in writes or ():
+            with contextlib.suppress(Exception):  # its error is the save's, already reported
+                write.result()
+
+    def _remove_failed(self) -> None:
+        """Removes the unfinished directories of failed saves (process 0; none is pending).
+
+        Writes of a failed save that are still in flight may refill a directory being removed:
+        it is then tried again after the next save and at `close`, once they have ended.
+        """
+        if jax.process_index() != 0:
+            return
+        for step in sorted(self._failed_steps):
+            name = f"{STEP_PREFIX}_{step}"
+            left = [p for p in unfinished_saves(self.model_dir) if p.name.split(".")[0] == name]
+            try:
+                for path in left:
+                    path.rmtree()
+                    logging.warning("Removed %s, left by the failed save.", path)
+            except OSError as error:
+                logging.info("Removing the failed save of step %d later: %s", step, error)
+                continue
+            self._failed_steps.discard(step)
+
+    def _remove_partials(self, up_to: int) -> None:
+        """Removes the ``.partial`` directories (saves that never finished, set aside at
+        start) of steps up to ``up_to``, now redone by a complete checkpoint (process 0)."""
+        if jax.process_index() != 0:
+            return
+        for path in self.model_dir.glob(f"{STEP_PREFIX}_*{PARTIAL_SUFFIX}*"):
+            step = path.name.removeprefix(f"{STEP_PREFIX}_").split(PARTIAL_SUFFIX)[0]
+            if step.isdigit() and int(step) <= up_to:
+                try:
+                    path.rmtree()
+                except OSError as error:  # tried again after the next save
+                    logging.warning("Could not remove %s: %s", path, error)
+                    continue
+                logging.info("Removed %s: step %d is saved.", path, up_to)
 
     def _set_aside_partial_saves(self) -> None:
         """Reports saves that never finished (killed mid-write) and renames them ``.partial``.
@@ -359,7 +559,7 @@ class Checkpoints:
         if paths.is_cloud(self.model_dir):
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices("sonew_pax.checkpoints.set_aside")
-            self._manager.reload()
+            self._reload()
         failed: list[tuple[int, Exception]] = []
         for step in reversed(self.steps()):
             try:
@@ -427,6 +627,10 @@ class Checkpoints:
         and shardings, read-only: nothing in MODEL_DIR is renamed or written (a run may be saving
         there meanwhile), so a checkpoint that fails is only skipped, with a warning.
 
+        A running trainer's ``keep`` limit may delete the checkpoint being read: the previous
+        one is tried, and once all listed have failed, the directory is listed again for
+        checkpoints saved meanwhile.
+
         Args:
           target: the parameters' ShapeDtypeStructs with shardings.
 
@@ -437,21 +641,25 @@ class Checkpoints:
           ConfigMismatchError: the checkpoint holds other parameters than ``target``.
           RunError: MODEL_DIR holds no checkpoint, or none restores.
         """
-        steps = self.steps()
-        if not steps:
+        tried: set[int] = set()
+        while steps := [step for step in self.steps() if step not in tried]:
+            for step in reversed(steps):
+                tried.add(step)
+                try:
+                    return step, self._restore_params_intact(step, target)
+                except ConfigMismatchError:
+                    raise
+                except Exception as error:
+                    path = checkpoint_dir(self.model_dir, step)
+                    logging.warning(
+                        "Checkpoint %s %s (%s); trying the previous one.",
+                        path,
+                        "does not restore" if path.exists() else "was deleted while read",
+                        _first_line(error),
+                    )
+            self._reload()
+        if not tried:
             raise RunError(f"no checkpoint in {self.model_dir}")
-        for step in reversed(steps):
-            try:
-                return step, self._restore_params_intact(step, target)
-            except ConfigMismatchError:
-                raise
-            except Exception as error:
-                logging.warning(
-                    "Checkpoint %s does not restore (%s: %s); trying the previous one.",
-                    checkpoint_dir(self.model_dir, step),
-                    type(error).__name__,
-                    str(error).splitlines()[0] if str(error) else "",
-                )
         raise RunError(f"no checkpoint in {self.model_dir} restores (warnings above say why)")
 
     def _restore_params_intact(self, step: int, target: PyTree) -> PyTree:
@@ -482,23 +690,35 @@ class Checkpoints:
         if steps and jax.process_count() > 1:
             multihost_utils.sync_global_devices("sonew_pax.checkpoints.quarantine")
         if steps:
-            self._manager.reload()
+            self._reload()
 
     def reached_preemption(self, step: int) -> bool:
         """Whether all processes agree a preemption notice arrived (multi-process runs)."""
         return jax.process_count() > 1 and self._manager.reached_preemption(step)
 
     def close(self) -> None:
-        """Waits for pending writes and releases the manager."""
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Waits for the pending write (a failure is logged, its directory removed: `save` with
+        ``wait`` is how a caller learns of it) and releases the manager."""
+        self._settle()
+        try:
+            self._manager.close()
+        except Exception:
+            if self._failure is None:
+                raise
+        self._remove_failed()
+        for step in self._failed_steps:
+            logging.warning(
+                "The failed save of step %d left files that could not be removed.", step
+            )
 
 
 class StopSignal:
-    """Turns SIGTERM into a flag the training loop polls (single-process runs).
+    """Turns SIGTERM and SIGINT into a flag the training loop polls (single-process runs).
 
-    In multi-process runs JAX's preemption service handles SIGTERM and the loop asks
-    `Checkpoints.reached_preemption`, so that every process stops at the same step.
+    The loop then saves at its current step and stops. A second SIGINT (Ctrl-C twice) raises
+    KeyboardInterrupt: the run stops at once, saving nothing more. In multi-process runs JAX's
+    preemption service handles SIGTERM and the loop asks `Checkpoints.reached_preemption`, so
+    that every process stops at the same step; SIGINT keeps Python's default there.
     """
 
     def __init__(self):
@@ -506,17 +726,25 @@ class StopSignal:
 
     def _handle(self, signum: int, frame: Any) -> None:
         del frame
-        logging.warning("Received signal %d: saving a checkpoint and stopping.", signum)
+        if signum == signal.SIGINT and self.received:
+            raise KeyboardInterrupt("second SIGINT: stopped without saving")
+        name = signal.Signals(signum).name
+        logging.warning(
+            "Received %s: saving a checkpoint at the current step, then stopping%s.",
+            name,
+            " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else "",
+        )
         self.received = True
 
     @contextlib.contextmanager
     def installed(self) -> Iterator["StopSignal"]:
-        """Handles SIGTERM while the block runs; restores the previous handler after it."""
+        """Handles SIGTERM and SIGINT while the block runs; restores the previous handlers."""
         if jax.process_count() > 1:
             yield self
             return
-        previous = signal.signal(signal.SIGTERM, self._handle)
+        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)

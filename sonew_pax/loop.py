@@ -3,7 +3,8 @@
 `train` wires the parts together in the order of a T5X run: mesh and rules (`partitioning`), the
 `trainer.Trainer` (state layout and compiled steps), data, restore (`checkpoints`) or
 initialisation, then the loop: step, write metrics (`metrics`), evaluate every EVAL_PERIOD, save
-every CHECKPOINT_PERIOD, on SIGTERM and at the end. Compiled programs go to JAX's persistent
+every CHECKPOINT_PERIOD, on SIGTERM or SIGINT, at the end, and at once after a save whose
+background write failed (`checkpoints.Checkpoints`). Compiled programs go to JAX's persistent
 compilation cache (default ``MODEL_DIR/compilation_cache``), so that a resumed run loads its train
 step instead of compiling it again. `configured_trainer` builds the `trainer.Trainer` that `train`
 would from the gin config alone, reading no data: `trainer.Trainer.export_train_step` then lowers
@@ -19,12 +20,14 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import gin
 import jax
+import numpy as np
 from absl import logging
 from etils import epath
 from jax.sharding import Mesh
@@ -44,11 +47,14 @@ from sonew_pax.train_state import TrainState
 from sonew_pax.trainer import CacheHits, Trainer, persistent_compilation_cache
 
 COMPILATION_CACHE = "compilation_cache"
+CONFIG_FILE = "config.gin"
+CONFIG_HISTORY_FILE = "config-history.gin"
 
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-    """How `train` ended: the step reached, its loss, and whether SIGTERM stopped it early."""
+    """How `train` ended: the step reached, its loss, and whether a signal (SIGTERM, SIGINT) or
+    a preemption notice stopped it early (with a checkpoint of that step)."""
 
     step: int
     loss: float | None
@@ -59,6 +65,24 @@ def _write_text(path: epath.Path, text: str) -> None:
     """Writes ``text`` to ``path`` from process 0 only, atomically (`paths.write_text_atomic`)."""
     if jax.process_index() == 0:
         paths.write_text_atomic(path, text)
+
+
+def record_config(model_dir: epath.Path, step: int, config: str) -> None:
+    """Writes a run segment's operative ``config`` to ``config.gin`` and, when it differs from
+    the last one recorded there, appends it to ``config-history.gin`` (never rewriting what
+    that holds), after a line naming ``step``, where the segment starts.
+
+    Args:
+      model_dir: the run directory.
+      step: the step the segment starts from.
+      config: the operative gin config.
+    """
+    history = model_dir / CONFIG_HISTORY_FILE
+    recorded = history.read_text() if history.exists() else ""
+    header = "# sonew_pax: the operative config of the run segment from step "
+    if recorded.rpartition(header)[2].partition("\n")[2] != config:
+        paths.write_text_atomic(history, f"{recorded}{header}{step}\n{config}")
+    paths.write_text_atomic(model_dir / CONFIG_FILE, config)
 
 
 def _due(step: int, period: int, last_step: int) -> bool:
@@ -93,30 +117,142 @@ def config_differences(saved: str, current: str, limit: int = 12) -> list[str]:
     return (changed + only)[:limit]
 
 
+# What a resumed run may continue differently from its checkpoint only when told to
+# (`train`'s ``allow_resume_changes``).
+RESUMABLE_CHANGES = ("learning_rate", "data_source", "tokenizer")
+# How many steps of the rest of the learning-rate schedule a checkpoint records.
+SCHEDULE_PROBES = 17
+
+
+def schedule_probes(schedule: optimizers.Schedule, step: int, train_steps: int) -> dict[str, float]:
+    """The learning rates ``schedule`` gives at `SCHEDULE_PROBES` steps spread evenly over
+    ``[step, train_steps]``: the rest of the run, as a checkpoint of ``step`` records it.
+
+    Returns:
+      ``{str(step): learning rate}`` (JSON keys).
+    """
+    steps = np.unique(np.linspace(step, train_steps, SCHEDULE_PROBES).round().astype(int))
+    return {str(s): float(schedule(int(s))) for s in steps}
+
+
+def schedule_departure(
+    saved: Mapping[str, float], schedule: optimizers.Schedule, train_steps: int
+) -> str | None:
+    """Where ``schedule`` departs from the learning rates a checkpoint recorded
+    (`schedule_probes`), up to ``train_steps``: a line naming the first such step, or None."""
+    for key in sorted(saved, key=int):
+        step = int(key)
+        if step > train_steps:
+            break
+        rate = float(schedule(step))
+        if not math.isclose(rate, saved[key], rel_tol=1e-5, abs_tol=1e-12):
+            return (
+                f"the learning rate at step {step} was {saved[key]:.6g} in the run that saved "
+                f"it, {rate:.6g} in this one"
+            )
+    return None
+
+
+def resume_changes(
+    restored: checkpoints.Restored,
+    data_state: Mapping[str, Any],
+    schedule: optimizers.Schedule,
+    train_steps: int,
+) -> dict[str, str]:
+    """How this run would continue differently from the checkpoint it resumes.
+
+    Args:
+      restored: the checkpoint.
+      data_state: this run's data state, whose ``source`` and ``tokenizer`` (when it names
+        them) are compared with the checkpoint's.
+      schedule: this run's learning-rate schedule, compared with the rates the checkpoint
+        recorded for the rest of its run.
+      train_steps: this run's TRAIN_STEPS.
+
+    Returns:
+      ``{name in RESUMABLE_CHANGES: what differs}``; what a checkpoint did not record (one
+      written before it did) is not compared.
+    """
+    changes = {}
+    for name, key in (("data_source", "source"), ("tokenizer", "tokenizer")):
+        before, after = restored.data.get(key), data_state.get(key)
+        if before is not None and after is not None and before != after:
+            changes[name] = f"{before} in the run that saved it, {after} in this one"
+    departure = schedule_departure(restored.run.get("learning_rate", {}), schedule, train_steps)
+    if departure is not None:
+        changes["learning_rate"] = departure
+    return changes
+
+
+def _mismatch(ckpts: checkpoints.Checkpoints, message: str) -> checkpoints.ConfigMismatchError:
+    """`checkpoints.ConfigMismatchError` of ``message`` followed by the settings that differ
+    from MODEL_DIR's ``config.gin`` (`config_differences`)."""
+    saved = ckpts.model_dir / CONFIG_FILE
+    lines = (
+        config_differences(saved.read_text(), gin.operative_config_str()) if saved.exists() else []
+    )
+    if lines:
+        message += f"\nSettings that differ from {saved}:\n  " + "\n  ".join(lines)
+    return checkpoints.ConfigMismatchError(message)
+
+
 def _restore_or_init(
-    step_fns: Trainer, ckpts: checkpoints.Checkpoints, batches: Any, seed: int
+    step_fns: Trainer,
+    ckpts: checkpoints.Checkpoints,
+    batches: Any,
+    *,
+    seed: int,
+    schedule: optimizers.Schedule,
+    train_steps: int,
+    allowed_changes: Sequence[str],
 ) -> tuple[TrainState, dict[str, Any]]:
     """The newest restorable checkpoint (moving ``batches`` to its position) and the trainer's
     counters saved with it, else a new state and ``{}``.
 
+    Args:
+      step_fns: the run's trainer.
+      ckpts: MODEL_DIR's checkpoints.
+      batches: the training data iterator.
+      seed: initialises a new state.
+      schedule: the run's learning-rate schedule (`resume_changes`).
+      train_steps: the run's TRAIN_STEPS.
+      allowed_changes: the `resume_changes` accepted (with a warning).
+
     Raises:
-      checkpoints.ConfigMismatchError: the checkpoints hold other arrays; the message adds the
-        settings that differ from the run's ``config.gin``.
+      checkpoints.ConfigMismatchError: the checkpoints hold other arrays, or this run would
+        continue them with another batch size, seed, or (unless allowed) learning-rate
+        schedule, data source or tokenizer; the message adds the settings that differ from the
+        run's ``config.gin``.
     """
     try:
         restored = ckpts.restore_latest(step_fns.layout.abstract_with_shardings())
     except checkpoints.ConfigMismatchError as error:
-        saved = ckpts.model_dir / "config.gin"
-        if not saved.exists():
-            raise
-        lines = config_differences(saved.read_text(), gin.operative_config_str())
-        raise checkpoints.ConfigMismatchError(
-            f"{error}\nSettings that differ from {saved}:\n  " + "\n  ".join(lines)
-        ) from None
+        raise _mismatch(ckpts, str(error)) from None
     if restored is None:
         logging.info("Initialising a new run in %s", ckpts.model_dir)
         return step_fns.init_state(seed), {}
-    batches.set_state(restored.data)
+    path = checkpoints.checkpoint_dir(ckpts.model_dir, int(restored.state.step))
+    changes = resume_changes(restored, batches.get_state(), schedule, train_steps)
+    refused = {name: what for name, what in changes.items() if name not in allowed_changes}
+    if refused:
+        listed = "\n  ".join(f"{name}: {what}" for name, what in refused.items())
+        raise _mismatch(
+            ckpts,
+            f"config mismatch: this run would not continue {path} as it was trained:\n  "
+            f"{listed}\nRerun with the settings that wrote it (MODEL_DIR's config.gin), use a "
+            f"new MODEL_DIR, or continue on purpose with "
+            f"train.allow_resume_changes = {tuple(refused)!r}.",
+        )
+    for name, what in changes.items():
+        logging.warning("Continuing %s with another %s, as allowed: %s.", path, name, what)
+    try:
+        batches.set_state(restored.data)
+    except ValueError as error:
+        raise _mismatch(
+            ckpts,
+            f"config mismatch: this run's data pipeline cannot continue {path}: {error}. Rerun "
+            "with the BATCH_SIZE and SEED that wrote it, or use a new MODEL_DIR.",
+        ) from None
     logging.info("Resumed %s from step %d", ckpts.model_dir, int(restored.state.step))
     return restored.state, restored.run
 
@@ -215,6 +351,7 @@ def check_settings(**settings: Any) -> None:
         "log_every": (None, 1),
         "max_skipped_steps": (None, 0),
         "keep_checkpoints": (None, 1),
+        "save_retries": (None, 0),
     }
     for name, (macro, least) in at_least.items():
         value = settings[name]
@@ -223,11 +360,20 @@ def check_settings(**settings: Any) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             label = f"{macro} (train.{name})" if macro else f"train.{name}"
             raise ConfigError(f"{label} must be an integer >= {least}, got {value!r}.")
+    backoff = settings["save_retry_backoff_s"]
+    if not isinstance(backoff, (int, float)) or isinstance(backoff, bool) or not backoff >= 0:
+        raise ConfigError(f"train.save_retry_backoff_s must be a number >= 0, got {backoff!r}.")
     window = settings["profile_steps"]
     if window is not None and (
         len(window) != 2 or not all(isinstance(n, int) and n >= 1 for n in window)
     ):
         raise ConfigError(f"train.profile_steps must be (START, COUNT), both >= 1; got {window!r}.")
+    unknown = set(settings["allow_resume_changes"]) - set(RESUMABLE_CHANGES)
+    if isinstance(settings["allow_resume_changes"], str) or unknown:
+        raise ConfigError(
+            f"train.allow_resume_changes must be a tuple of names among {RESUMABLE_CHANGES}, "
+            f"got {settings['allow_resume_changes']!r}."
+        )
     policy = settings["non_finite"]
     if policy not in NON_FINITE_POLICIES:
         raise ConfigError(f"train.non_finite must be one of {NON_FINITE_POLICIES}, got {policy!r}.")
@@ -272,13 +418,46 @@ def _peak_flops() -> float | None:
 
 
 def _check_vocab(model_config: TransformerConfig, batches: Any) -> None:
-    """Fails early when the tokenizer emits ids the model's embedding cannot hold."""
+    """Raises `ConfigError` when the tokenizer emits ids the model's embedding cannot hold."""
     vocab = batches.tokenizer.vocab_size
     if model_config.vocab_size < vocab:
-        raise ValueError(
-            f"TransformerConfig.vocab_size={model_config.vocab_size} is smaller than the "
-            f"tokenizer's vocabulary ({vocab})"
+        raise ConfigError(
+            f"TransformerConfig.vocab_size = {model_config.vocab_size} is smaller than the "
+            f"tokenizer's vocabulary ({vocab}): raise it to at least {vocab}."
         )
+
+
+def check_model_dir(model_dir: str) -> epath.Path:
+    """MODEL_DIR as a path, refused unless it is a URI or an absolute local path (orbax saves
+    only there; a relative one would also depend on each host's working directory).
+
+    Raises:
+      ConfigError: a relative local path, named with the absolute one it could be.
+    """
+    path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
+    if not paths.is_cloud(model_dir) and not os.path.isabs(model_dir):
+        raise ConfigError(
+            f"MODEL_DIR must be an absolute path or a URI, got {model_dir!r} (relative to "
+            f"this directory: {os.path.abspath(model_dir)!r})."
+        )
+    return path
+
+
+def create_model_dir(path: epath.Path) -> None:
+    """Creates MODEL_DIR (and its parents) if missing and checks that a file can be written
+    there.
+
+    Raises:
+      ConfigError: it cannot be created or written, with the operating system's reason.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise ConfigError(f"MODEL_DIR {path} cannot be written: {reason}.") from None
 
 
 def _make_trainer(
@@ -293,8 +472,14 @@ def _make_trainer(
     mesh: Mesh | None,
 ) -> Trainer:
     """`train`'s `Trainer` for its arguments of the same names, on the gin-configured mesh
-    (unless ``mesh`` is given) and logical axis rules; fails first if ``batch_size`` does not
-    split over the mesh (`partitioning.check_batch_size`)."""
+    (unless ``mesh`` is given) and logical axis rules; fails first (`ConfigError`) if
+    ``seq_len`` exceeds the model's ``max_len`` or ``batch_size`` does not split over the mesh
+    (`partitioning.check_batch_size`)."""
+    if seq_len > model_config.max_len:
+        raise ConfigError(
+            f"SEQ_LEN (train.seq_len) = {seq_len} exceeds the model's TransformerConfig.max_len "
+            f"= {model_config.max_len}: lower SEQ_LEN or raise max_len."
+        )
     mesh = partitioning.make_mesh() if mesh is None else mesh
     rules = partitioning.logical_axis_rules()
     partitioning.check_batch_size(batch_size, mesh, rules)
@@ -355,6 +540,9 @@ def train(
     compilation_cache_dir: str | None = None,
     non_finite: str = "stop",
     max_skipped_steps: int = 10,
+    save_retries: int = 3,
+    save_retry_backoff_s: float = 2.0,
+    allow_resume_changes: Sequence[str] = (),
     profile_steps: tuple[int, int] | None = None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> RunResult:
@@ -391,6 +579,17 @@ def train(
         counts it (``skipped_steps`` in the metrics) and ends the run after
         ``max_skipped_steps`` such steps.
       max_skipped_steps: see ``non_finite``.
+      save_retries: how many times a checkpoint save that fails (a full disk, a storage error)
+        is tried again, with the state of that moment, before the run stops with
+        `checkpoints.SaveError` (`checkpoints.Checkpoints`). A failed background write is found
+        at the next step, so at most the steps since the previous successful save are lost.
+      save_retry_backoff_s: seconds before the first retry; each next one waits twice as long.
+      allow_resume_changes: what a resumed run may continue differently from its checkpoint,
+        among `RESUMABLE_CHANGES`: ``"learning_rate"`` (the schedule, e.g. a TRAIN_STEPS that
+        lengthens a cosine decay: the new schedule applies from the checkpoint's step on),
+        ``"data_source"`` (DataConfig.source), ``"tokenizer"``. Anything else it would continue
+        differently is a `checkpoints.ConfigMismatchError` naming it (`resume_changes`). Each
+        segment's operative config is kept in ``config-history.gin``.
       profile_steps: ``(START, COUNT)``: trace steps ``START .. START + COUNT - 1`` with
         ``jax.profiler`` into ``MODEL_DIR/profile/`` (process 0; `metrics.ProfileWindow`);
         None (default): no trace.
@@ -415,10 +614,13 @@ def train(
         log_every=log_every,
         max_skipped_steps=max_skipped_steps,
         keep_checkpoints=keep_checkpoints,
+        save_retries=save_retries,
+        save_retry_backoff_s=save_retry_backoff_s,
         non_finite=non_finite,
         profile_steps=profile_steps,
+        allow_resume_changes=allow_resume_changes,
     )
-    model_dir_path = paths.model_dir(model_dir)  # fails here if a cloud backend is missing
+    model_dir_path = check_model_dir(model_dir)
     step_fns = _make_trainer(  # shapes only: nothing is allocated or written yet
         model_config=model_config,
         optimizer=optimizer,
@@ -440,18 +642,36 @@ def train(
     eval_batches = None if eval_data is None else eval_data(**data_args)
     stop = checkpoints.StopSignal()
     cache = compilation_cache_path(model_dir_path, compilation_cache_dir)
+    if jax.process_index() == 0:
+        create_model_dir(model_dir_path)
     with (
         run_lock.held(model_dir_path),
         stop.installed(),
         persistent_compilation_cache(cache),
         # Closed on any exit, errors included: pending checkpoint writes finish.
-        contextlib.closing(checkpoints.Checkpoints(model_dir_path, keep=keep_checkpoints)) as ckpts,
+        contextlib.closing(
+            checkpoints.Checkpoints(
+                model_dir_path,
+                keep=keep_checkpoints,
+                retries=save_retries,
+                backoff_s=save_retry_backoff_s,
+            )
+        ) as ckpts,
     ):
-        state, run_counters = _restore_or_init(step_fns, ckpts, batches, seed)
-        _write_text(model_dir_path / "config.gin", gin.operative_config_str())
+        state, run_counters = _restore_or_init(
+            step_fns,
+            ckpts,
+            batches,
+            seed=seed,
+            schedule=learning_rate,
+            train_steps=train_steps,
+            allowed_changes=allow_resume_changes,
+        )
+        step = int(state.step)
+        if jax.process_index() == 0:
+            record_config(model_dir_path, step, gin.operative_config_str())
         _write_text(model_dir_path / "model-info.txt", train_state.describe(step_fns.layout))
 
-        step = int(state.step)
         writer = metrics.MetricsWriter(
             model_dir_path, enabled=jax.process_index() == 0, resume_step=step
         )
@@ -504,16 +724,22 @@ def train(
                     pending[1].update(progress.log(step, loss))
                     writer.flush(force=False)
                 preempted = stop.received or ckpts.reached_preemption(step)
-                if preempted or _due(step, checkpoint_period, train_steps):
+                last = preempted or step == train_steps
+                # A failed background write is retried now, with this step's state.
+                if last or ckpts.save_failed() or _due(step, checkpoint_period, train_steps):
                     # The log on disk reaches at least the checkpoint, and the guard has seen
                     # the step whose state is saved.
                     loss, pending = record(*pending), None
                     writer.flush()
-                    ckpts.save(state, batches.get_state(), guard.run_state())
+                    run_state = guard.run_state() | {
+                        "learning_rate": schedule_probes(learning_rate, step, train_steps)
+                    }
+                    ckpts.save(state, batches.get_state(), run_state, wait=last)
         finally:  # also on errors: end a trace, flush the metrics
             profile.close()
             writer.close()
-        _write_text(model_dir_path / "config.gin", gin.operative_config_str())
-    if preempted:
-        logging.warning("Stopped by preemption at step %d; rerun to resume.", step)
+        _write_text(model_dir_path / CONFIG_FILE, gin.operative_config_str())
+        if preempted:
+            saved = "checkpoint saved" if step in ckpts.steps() else "no step ran, nothing saved"
+            logging.warning("Stopped at step %d, %s; rerun to resume.", step, saved)
     return RunResult(step=step, loss=loss, preempted=preempted)

@@ -11,9 +11,14 @@ to the binding ``NAME = VALUE``), and ``--coordinator_address``/``--process_coun
 ``--process_index`` for multi-process runs (also read from the environment, e.g. SLURM; on Cloud
 TPU they are auto-detected: see `sonew_pax.distributed`).
 
-A run that cannot start or has to stop for a reason its user can fix (`errors.RunError`: a setting
-that cannot work, a misspelled macro, MODEL_DIR in use or holding another configuration's
-checkpoints, a diverged run) prints one line ``error: ...`` and exits with status 1.
+Exit status: 0 when the run reached TRAIN_STEPS. 1, with one line ``error: ...`` and no
+traceback, when it cannot start or has to stop for a reason its user can fix (`errors.RunError`:
+a setting that cannot work, a misspelled macro, MODEL_DIR in use or holding another
+configuration's checkpoints, a diverged run, a checkpoint that cannot be saved).
+`EXIT_STOPPED` (75, ``EX_TEMPFAIL``) when SIGTERM, SIGINT or a preemption notice stopped it
+after saving a checkpoint: rerun to resume (a scheduler that restarts failed jobs restarts it).
+`EXIT_INTERRUPTED` (130) when SIGINT stopped it without saving: a second one, or one before the
+loop's handler is installed (while the data loads).
 
 What a run leaves in MODEL_DIR: ``config.gin`` (the operative config), ``model-info.txt``
 (parameter and optimizer-state shapes, specs and counts), ``checkpoint_<step>/``,
@@ -24,6 +29,7 @@ checkpoint, loading the compiled train step from the cache.
 
 import difflib
 import logging as pylogging
+import os
 import pathlib
 import sys
 from collections.abc import Callable, Sequence
@@ -36,6 +42,10 @@ from sonew_pax.errors import ConfigError, RunError
 
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent
 CONFIGS_DIR = PACKAGE_DIR.parent / "configs"
+
+# Exit statuses besides 0 (done) and 1 (`RunError`): see the module docstring.
+EXIT_STOPPED = 75
+EXIT_INTERRUPTED = 130
 
 FLAGS = flags.FLAGS
 flags.DEFINE_multi_string("gin_file", [], "Gin config files, parsed in order.")
@@ -64,9 +74,17 @@ def rewrite_gin_args(argv: Sequence[str]) -> list[str]:
 
 def _own_info_only(record: pylogging.LogRecord) -> bool:
     """Log filter: this package's INFO lines and others' warnings, minus known noise (orbax's
-    INFO lines, and gin's "Path not found" for each search path it tries before the right one)."""
+    INFO lines, and gin's "Path not found" for each search path it tries before the right one).
+    Orbax's errors keep their line but lose their traceback, and asyncio's "exception was never
+    retrieved" for orbax's abandoned writes is dropped: a checkpoint write that fails is logged
+    by each thread and future it passes through (hundreds of lines), and
+    `checkpoints.Checkpoints` reports it, and its retry, in one line each."""
     if record.module == "resource_reader" and str(record.msg).startswith("Path not found"):
         return False
+    if record.name == "asyncio" and "exception was never retrieved" in str(record.msg):
+        return False
+    if f"{os.sep}orbax{os.sep}" in record.pathname:
+        record.exc_info = record.exc_text = None
     return record.levelno >= pylogging.WARNING or f"{PACKAGE_DIR}/" in record.pathname
 
 
@@ -177,6 +195,15 @@ def main(argv: Sequence[str]) -> None:
         result = loop.train()
     except RunError as error:
         sys.exit(f"error: {_without_gin_context(str(error))}")
+    except KeyboardInterrupt:
+        print(
+            "error: interrupted; the current step was not saved (rerun to resume from the "
+            "newest checkpoint).",
+            file=sys.stderr,
+        )
+        sys.exit(EXIT_INTERRUPTED)
+    if result.preempted:
+        sys.exit(EXIT_STOPPED)
     logging.info("Finished at step %d (loss %s).", result.step, result.loss)
 
 

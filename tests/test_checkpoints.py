@@ -2,15 +2,18 @@
 checkpoints falling back to the previous one (kept, renamed aside), SONew states (those written
 before ``graft_lag`` existed among them), and the metrics log."""
 
+import itertools
 import json
 import logging
 import pathlib
 import shutil
+import time
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -244,3 +247,99 @@ def test_sonew_per_tensor_numbers_round_trip(tmp_path, mesh_2x4, kwargs, kind, f
     assert type(restored.opt_state[0]) is kind
     assert scalars.shape == (1,) and float(scalars[0]) > 0  # "w"; "b" takes Adam's direction
     _assert_same(restored, state)
+
+
+def leftovers(model_dir: pathlib.Path) -> list[str]:
+    """Directories of saves that did not finish."""
+    return sorted(
+        p.name
+        for p in model_dir.iterdir()
+        if ".orbax-checkpoint-tmp" in p.name or ".partial" in p.name
+    )
+
+
+def test_failed_background_save_is_found_removed_and_retried(tmp_path, mesh_2x4, failing_saves):
+    ckpts = checkpoints.Checkpoints(tmp_path, keep=1, retries=2, backoff_s=0.0)
+    assert ckpts.save(_state(4, mesh_2x4), {"step": 4}, wait=True)
+    failing_saves(lambda step: step == 8)
+    assert ckpts.save(_state(8, mesh_2x4), {"step": 8})  # the write fails in the background
+    deadline = time.monotonic() + 60
+    while not ckpts.save_failed():  # found without waiting, once the write has ended
+        assert time.monotonic() < deadline, "the failed write was not reported"
+        time.sleep(0.01)
+    assert ckpts.steps() == [4]  # kept: keep=1 deletes it only once a newer one is complete
+    assert ckpts.save(_state(9, mesh_2x4), {"step": 9})  # the retry, at the next step
+    ckpts.close()
+    assert checkpoints.Checkpoints(tmp_path).steps() == [9]
+    assert leftovers(tmp_path) == []
+
+
+def test_save_that_fails_then_succeeds_on_a_retry(tmp_path, mesh_2x4, failing_saves, caplog):
+    ckpts = checkpoints.Checkpoints(tmp_path, retries=3, backoff_s=0.0)
+    writes = itertools.count()
+    failing_saves(lambda step: next(writes) < 2)  # the first attempt's two JSON items
+    with caplog.at_level(logging.WARNING):
+        assert ckpts.save(_state(8, mesh_2x4), {"step": 8}, wait=True)
+    ckpts.close()
+    assert any("Retrying the save of step 8" in r.getMessage() for r in caplog.records)
+    assert checkpoints.Checkpoints(tmp_path).steps() == [8]
+    assert leftovers(tmp_path) == []
+
+
+def test_save_that_keeps_failing_stops_and_leaves_the_previous_checkpoint(
+    tmp_path, mesh_2x4, failing_saves
+):
+    ckpts = checkpoints.Checkpoints(tmp_path, keep=1, retries=2, backoff_s=0.0)
+    ckpts.save(_state(4, mesh_2x4), {"step": 4})
+    (tmp_path / "checkpoint_3.partial").mkdir()  # set aside by an earlier start
+    failing_saves(lambda step: step > 4)
+    with pytest.raises(
+        checkpoints.SaveError, match=r"step 8 .*\(3 attempts\).*checkpoint_4"
+    ) as error:
+        ckpts.save(_state(8, mesh_2x4), {"step": 8}, wait=True)
+    assert "ENOSPC" in str(error.value) or "No space left" in str(error.value)
+    ckpts.close()
+    assert checkpoints.Checkpoints(tmp_path).steps() == [4]
+    assert leftovers(tmp_path) == []  # no partial save of any attempt; the old one reclaimed
+
+
+def test_reader_falls_back_when_the_trainer_deletes_what_it_reads(tmp_path, mesh_2x4, monkeypatch):
+    writer = checkpoints.Checkpoints(tmp_path, async_save=False)
+    for step in (4, 8):
+        writer.save(_state(step, mesh_2x4), {"step": step}, wait=True)
+    reader = checkpoints.Checkpoints(tmp_path, async_save=False)
+    read = checkpoints.Checkpoints._restore_params_intact
+    # What the trainer does while each checkpoint is read: (deleted, saved).
+    rotations = iter([(8, 12), (4, None), (None, None)])
+
+    def rotated_while_read(self, step, target):
+        deleted, saved = next(rotations)
+        if deleted is not None:
+            shutil.rmtree(tmp_path / f"checkpoint_{deleted}")
+        if saved is not None:
+            writer.save(_state(saved, mesh_2x4), {"step": saved}, wait=True)
+        return read(self, step, target)
+
+    monkeypatch.setattr(checkpoints.Checkpoints, "_restore_params_intact", rotated_while_read)
+    params = _target(mesh_2x4).params
+    step, restored = reader.restore_params(params)  # 8 and 4 vanish; 12 is listed again
+    assert step == 12
+    _assert_same(restored, _state(12, mesh_2x4).params)
+    writer.close()
+    reader.close()
+
+
+def test_listing_while_a_checkpoint_vanishes_lists_again(tmp_path, mesh_2x4, monkeypatch):
+    writer = checkpoints.Checkpoints(tmp_path, async_save=False)
+    writer.save(_state(4, mesh_2x4), {"step": 4})
+    writer.close()
+    load = ocp.CheckpointManager._load_checkpoint_infos
+    failures = iter([FileNotFoundError(tmp_path / "checkpoint_2" / "_CHECKPOINT_METADATA")])
+
+    def vanishing(self, *args, **kwargs):
+        for error in failures:
+            raise error
+        return load(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "_load_checkpoint_infos", vanishing)
+    assert checkpoints.Checkpoints(tmp_path).steps() == [4]

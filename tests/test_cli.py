@@ -24,6 +24,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
+from sonew_pax import train
 from tests.flags import xla_flags
 
 STEPS = 30
@@ -137,10 +138,11 @@ def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_pa
     process.send_signal(signal.SIGTERM)
     sent = time.monotonic()
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 0, stderr[-3000:]
+    assert process.returncode == train.EXIT_STOPPED, stderr[-3000:]  # not 0: not finished
     assert time.monotonic() - sent < 15
     saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
-    assert f"Stopped by preemption at step {saved}" in stderr
+    assert f"Stopped at step {saved}, checkpoint saved" in stderr
+    assert "Finished" not in stderr
     assert max(losses(tmp_path)) == saved  # metrics logged up to the stop
     assert saved < STEPS, "the run went too far before SIGTERM to test resuming"
     done = run(tmp_path, STEPS, env)
@@ -176,6 +178,23 @@ def test_bad_configuration_fails_at_start(tmp_path, env, flag, message):
     assert not model_dir.exists()  # nothing written
 
 
+@pytest.mark.parametrize(
+    "flag, message",
+    [
+        ('--gin.MODEL_DIR="relative/run"', "error: MODEL_DIR must be an absolute path"),
+        ("--gin.DataConfig.source='text_dir:/nonexistent'", "error: text_dir source: no *.txt"),
+        ("--gin.SEQ_LEN=4096", "error: SEQ_LEN (train.seq_len) = 4096 exceeds"),
+    ],
+    ids=["relative-model-dir", "empty-text-dir", "seq-len-vs-max-len"],
+)
+def test_user_error_is_one_line_without_traceback(tmp_path, env, flag, message):
+    model_dir = tmp_path / "run"
+    done = run(model_dir, STEPS, env, flag)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert not model_dir.exists()
+
+
 def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
 
@@ -206,3 +225,17 @@ def test_unset_required_macro_names_it(tmp_path, env):
     )  # fmt: skip
     assert done.returncode != 0
     assert "MODEL_DIR" in done.stderr
+
+
+def test_ctrl_c_saves_like_sigterm(tmp_path, env):
+    process = subprocess.Popen(
+        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == train.EXIT_STOPPED, stderr[-3000:]
+    saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
+    assert saved > PERIOD and f"Stopped at step {saved}, checkpoint saved" in stderr
+    assert "Traceback" not in stderr

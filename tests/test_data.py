@@ -28,6 +28,7 @@ from sonew_pax.data import (
     tokenizers,
     train_batches,
 )
+from sonew_pax.errors import RunError
 
 KEYS = ("inputs", "targets", "weights")
 
@@ -204,7 +205,13 @@ def test_train_iterator_format_and_exact_resume():
         assert batches[0][key].shape == (4, 64) and batches[0][key].dtype == dtype
     assert it.tokenizer.vocab_size == 256
     state = json.loads(json.dumps(it.get_state()))
-    assert state == {"step": 5, "seed": 1, "batch_size": 4}
+    assert state == {
+        "step": 5,
+        "seed": 1,
+        "batch_size": 4,
+        "source": "shakespeare",
+        "tokenizer": "ByteTokenizer(vocab_size=256)",
+    }
     expected = [next(it) for _ in range(3)]
 
     resumed = make_train_iterator(seq_len=64, batch_size=4, seed=1, prefetch=0)
@@ -319,6 +326,10 @@ def test_missing_or_unknown_sources_fail_clearly(tmp_path):
         make_eval_batches(seq_len=8, batch_size=2, config=DataConfig(eval_fraction=0.0))
     with pytest.raises(ValueError, match="unknown tokenizer"):
         make_train_iterator(seq_len=8, batch_size=2, config=DataConfig(tokenizer="words"))
+    (tmp_path / "latin1").mkdir()
+    (tmp_path / "latin1" / "a.txt").write_bytes("café".encode("latin-1"))
+    with pytest.raises(RunError, match=r"latin1/a.txt is not UTF-8 text \(byte 3: "):
+        sources.load_documents(f"text_dir:{tmp_path / 'latin1'}")
 
 
 def test_sentencepiece_pipeline(tmp_path):

@@ -9,14 +9,23 @@ One case of each kind (in process, 8 simulated devices, the test_trainer model):
   before anything is written, and a MODEL_DIR holding another configuration's checkpoints is a
   config mismatch that names the differing arrays;
 - one run per MODEL_DIR (`run_lock`), with stale locks taken over;
-- metrics.jsonl stays strict JSON (``null`` for non-finite values).
-The command line's exit status for these is checked in test_cli.py.
+- metrics.jsonl stays strict JSON (``null`` for non-finite values);
+- a checkpoint write that fails is retried at the next step (faults injected by conftest's
+  ``failing_saves``), and a run whose saves keep failing stops, keeping its last checkpoint;
+- a second Ctrl-C stops at once;
+- a resume that would continue with another schedule, data source, tokenizer or batch size is
+  a config mismatch naming it, unless allowed; each segment's config is kept;
+- user errors in MODEL_DIR, SEQ_LEN, the vocabulary or the corpus are refused at start, named.
+The command line's exit status for these is checked in test_cli.py; docs/reliability.md maps
+every case to its test.
 """
 
 import hashlib
 import json
+import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,9 +37,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sonew_pax import checkpoints, data, loop, metrics, run_lock, train
-from sonew_pax.errors import ConfigError
+from sonew_pax import checkpoints, data, inference, loop, metrics, run_lock, train
+from sonew_pax.errors import ConfigError, RunError
 from tests.conftest import jax_config
+from tests.test_checkpoints import leftovers
 from tests.test_trainer import PERIOD, STEPS, configure
 from tests.test_trainer import _clear_gin as _clear_gin  # the same autouse fixture here
 
@@ -40,6 +50,8 @@ DIVERGE = (
     "learning_rate_schedule.decay = 'constant'",
     "learning_rate_schedule.warmup_steps = 0",
 )
+# A small corpus of one document, large enough for a few batches of the test model.
+PLAY = b"To be, or not to be, that is the question. " * 40
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -132,7 +144,8 @@ def test_diverged_run_stops_and_saves_nothing_after(tmp_path):
 def test_resumed_run_that_diverges_leaves_the_checkpoints_as_they_were(healthy, tmp_path):
     _copy_checkpoints(healthy, tmp_path)
     before = {p.name: _tree_digest(p) for p in tmp_path.glob("checkpoint_*")}
-    configure(tmp_path, *DIVERGE, "TRAIN_STEPS = 200", "CHECKPOINT_PERIOD = 100")
+    configure(tmp_path, *DIVERGE, "TRAIN_STEPS = 200", "CHECKPOINT_PERIOD = 100",
+              "train.allow_resume_changes = ('learning_rate',)")  # fmt: skip
     with pytest.raises(loop.NonFiniteError, match=r"step \d+: non-finite"):
         loop.train(eval_data=None)
     assert {p.name: _tree_digest(p) for p in tmp_path.glob("checkpoint_*")} == before
@@ -361,6 +374,188 @@ def test_metrics_jsonl_writes_null_for_non_finite_values(tmp_path):
     assert record == {"step": 1, "loss": None, "grad_norm": None, "learning_rate": 0.5}
 
 
+def test_cli_log_keeps_orbax_errors_to_their_line():
+    record = logging.LogRecord(
+        "absl", logging.ERROR, "/venv/site-packages/orbax/checkpoint/future.py", 1,
+        "save failed", (), (OSError, OSError(28, "No space left on device"), None),
+    )  # fmt: skip
+    assert train._own_info_only(record) and record.exc_info is None
+    abandoned = logging.LogRecord(
+        "asyncio", logging.ERROR, "/python/asyncio/base_events.py", 1,
+        "_GatheringFuture exception was never retrieved", (), None,
+    )  # fmt: skip
+    assert not train._own_info_only(abandoned)
+
+
 def test_cli_reports_a_run_error_in_one_line():
     message = "step 3: non-finite loss nan.\n  In call to configurable 'train' (<function>)"
     assert train._without_gin_context(message) == "step 3: non-finite loss nan."
+
+
+# --- saves that fail ---------------------------------------------------------------------------
+
+
+def test_failed_background_save_is_retried_at_the_next_step(tmp_path, failing_saves, caplog):
+    configure(tmp_path)
+    failing_saves(lambda step: step == PERIOD)
+    with caplog.at_level("WARNING"):
+        result = loop.train(eval_data=None)
+    assert result.step == STEPS
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"save at step {PERIOD} failed" in m for m in messages)
+    assert any(
+        f"checkpoint_{PERIOD}.orbax-checkpoint-tmp, left by the failed" in m for m in messages
+    )
+    retry, last = checkpoints.Checkpoints(tmp_path).steps()
+    assert PERIOD < retry < STEPS and last == STEPS  # the retry: this step's state, at once
+    assert leftovers(tmp_path) == []
+
+
+def test_save_that_keeps_failing_stops_the_run_and_keeps_the_last_checkpoint(
+    tmp_path, failing_saves
+):
+    configure(tmp_path, "CHECKPOINT_PERIOD = 3", "train.keep_checkpoints = 1",
+              "train.save_retries = 2", "train.save_retry_backoff_s = 0")  # fmt: skip
+    failing_saves(lambda step: step > 3)  # the disk fills after the first checkpoint
+    with pytest.raises(checkpoints.SaveError, match=r"\(3 attempts\).*checkpoint_3\b") as error:
+        loop.train(eval_data=None)
+    assert "No space left on device" in str(error.value)
+    assert checkpoints.Checkpoints(tmp_path).steps() == [3]
+    assert leftovers(tmp_path) == []
+    assert not (tmp_path / run_lock.LOCK_FILE).exists()
+
+
+def test_second_ctrl_c_stops_at_once():
+    before = signal.getsignal(signal.SIGINT)
+    stop = checkpoints.StopSignal()
+    with stop.installed():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # the handler runs between bytecodes of this thread
+        assert stop.received
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+    assert signal.getsignal(signal.SIGINT) is before
+
+
+# --- resuming what a run cannot continue -------------------------------------------------------
+
+
+class RetokenizedBatches(PoisonedBatches):
+    """The training iterator, saying it reads through another tokenizer of the same size."""
+
+    def get_state(self):
+        return super().get_state() | {"tokenizer": "SentencePieceTokenizer(vocab_size=256)"}
+
+
+@pytest.mark.parametrize(
+    "bindings, train_data, change, setting",
+    [
+        (("TRAIN_STEPS = 24",), None, "learning_rate", "TRAIN_STEPS = 12 (checkpoints) / 24"),
+        (("DataConfig.source = 'text_dir:{corpus}'",), None, "data_source", "text_dir:"),
+        ((), lambda **kw: RetokenizedBatches((), **kw), "tokenizer", "SentencePieceTokenizer"),
+    ],
+    ids=["train-steps", "data-source", "tokenizer"],
+)
+def test_resume_that_would_continue_differently_is_refused_unless_allowed(
+    healthy, tmp_path, bindings, train_data, change, setting
+):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_bytes(PLAY)
+    model_dir = tmp_path / "run"
+    model_dir.mkdir()
+    _copy_checkpoints(healthy, model_dir)
+    shutil.rmtree(model_dir / f"checkpoint_{STEPS}")  # resume from the middle of the run
+    shutil.copy(healthy / "config.gin", model_dir / "config.gin")
+    bindings = [b.format(corpus=corpus) for b in bindings]
+    kwargs = {"eval_data": None} | ({"train_data": train_data} if train_data else {})
+    configure(model_dir, *bindings)
+    with pytest.raises(checkpoints.ConfigMismatchError, match=f"{change}: ") as error:
+        loop.train(**kwargs)
+    assert setting in str(error.value)
+    assert f"train.allow_resume_changes = ('{change}',)" in str(error.value)
+    assert sorted(p.name for p in model_dir.glob("checkpoint_*")) == [f"checkpoint_{PERIOD}"]
+    assert (model_dir / "config.gin").read_text() == (healthy / "config.gin").read_text()
+
+    configure(model_dir, *bindings, f"train.allow_resume_changes = ('{change}',)")
+    result = loop.train(**kwargs)
+    assert result.step == (24 if change == "learning_rate" else STEPS)
+    history = (model_dir / loop.CONFIG_HISTORY_FILE).read_text()
+    assert f"run segment from step {PERIOD}\n" in history  # the new segment, appended
+
+
+def test_resume_with_another_batch_size_is_a_config_mismatch(healthy, tmp_path):
+    _copy_checkpoints(healthy, tmp_path)
+    configure(tmp_path, "BATCH_SIZE = 16")
+    with pytest.raises(checkpoints.ConfigMismatchError, match="batch_size=8, this pipeline has 16"):
+        loop.train(eval_data=None)
+
+
+def test_config_history_keeps_each_segment(tmp_path):
+    loop.record_config(tmp_path, 0, "A = 1\n")
+    loop.record_config(tmp_path, 6, "A = 1\n")  # the same config resumed: nothing appended
+    loop.record_config(tmp_path, 6, "A = 2\n")
+    history = (tmp_path / loop.CONFIG_HISTORY_FILE).read_text()
+    assert history.count("run segment from step") == 2
+    assert history.endswith("step 6\nA = 2\n") and "step 0\nA = 1\n" in history
+    assert (tmp_path / "config.gin").read_text() == "A = 2\n"
+
+
+# --- inputs checked at start -------------------------------------------------------------------
+
+
+def _corpus(root, files: dict[str, bytes]) -> str:
+    """A text_dir corpus of ``files`` (name -> bytes) under ``root``; its source binding."""
+    root.mkdir()
+    for name, raw in files.items():
+        (root / name).write_bytes(raw)
+    return f"DataConfig.source = 'text_dir:{root}'"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("relative", r"MODEL_DIR must be an absolute path or a URI, got 'relative/run'"),
+        ("parent-is-a-file", r"MODEL_DIR .*/file/run cannot be written: "),
+        ("seq-len", r"SEQ_LEN \(train.seq_len\) = 256 exceeds .*max_len = 128"),
+        ("vocab", r"vocab_size = 100 is smaller than the tokenizer's vocabulary \(256\)"),
+        ("not-utf8", r"text_dir source: .*/b.txt is not UTF-8 text \(byte 3: "),
+        ("tiny", r"has \d+ tokens, 1 example\(s\) .* fewer than one batch \(BATCH_SIZE 8\)"),
+        ("empty", r"no \*.txt files under"),
+        ("unknown-source", r"unknown data source 'shakespear'"),
+    ],
+)
+def test_user_errors_are_refused_at_start_naming_the_cause(tmp_path, case, message):
+    model_dir = tmp_path / "run"
+    bindings = {
+        "relative": ["MODEL_DIR = 'relative/run'"],
+        "parent-is-a-file": [f"MODEL_DIR = '{tmp_path / 'file' / 'run'}'"],
+        "seq-len": ["SEQ_LEN = 256"],
+        "vocab": ["TransformerConfig.vocab_size = 100"],
+        "not-utf8": [_corpus(tmp_path / "c1", {"a.txt": PLAY, "b.txt": b"abc\xff\xfe"})],
+        "tiny": [_corpus(tmp_path / "c2", {"a.txt": b"twelve bytes"})],
+        "empty": [_corpus(tmp_path / "c3", {})],
+        "unknown-source": ["DataConfig.source = 'shakespear'"],
+    }[case]
+    (tmp_path / "file").write_text("")
+    configure(model_dir, *bindings)
+    with pytest.raises(RunError, match=message):
+        loop.train(eval_data=None)
+    assert not model_dir.exists() and not (tmp_path / "file").read_text()
+
+
+def test_load_run_falls_back_when_the_newest_checkpoint_is_deleted_while_read(
+    healthy, tmp_path, monkeypatch
+):
+    _copy_checkpoints(healthy, tmp_path)
+    shutil.copy(healthy / "config.gin", tmp_path / "config.gin")
+    read = checkpoints.Checkpoints._restore_params_intact
+
+    def rotated_while_read(self, step, target):
+        if step == STEPS:  # the trainer's keep limit deletes it under the reader
+            shutil.rmtree(tmp_path / f"checkpoint_{STEPS}")
+        return read(self, step, target)
+
+    monkeypatch.setattr(checkpoints.Checkpoints, "_restore_params_intact", rotated_while_read)
+    assert inference.load_run(str(tmp_path)).step == PERIOD

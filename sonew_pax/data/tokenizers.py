@@ -43,6 +43,17 @@ class Tokenizer(Protocol):
         ...
 
 
+def identity(tokenizer: Tokenizer) -> str:
+    """What ``tokenizer`` encodes, in a short line that differs between tokenizers that encode
+    differently: its kind and vocabulary size, and a hash of its model when it has one
+    (``fingerprint()``, as SentencePiece has)."""
+    name = f"{type(tokenizer).__name__}(vocab_size={tokenizer.vocab_size})"
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    if fingerprint is None:
+        return name
+    return f"{name} sha256:{hashlib.sha256(fingerprint()).hexdigest()[:16]}"
+
+
 class ByteTokenizer:
     """UTF-8 bytes as tokens: vocab 256, PAD = 0 (NUL), EOS = 255 (never valid UTF-8)."""
 
