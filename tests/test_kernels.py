@@ -540,7 +540,7 @@ def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypa
     (``shard_map`` knows which tensors are whole) or on one device, XLA without a mesh on several
     devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel)."""
     # (by module path: the package exports the function sonew(), not the module)
-    enable = importlib.import_module("sonew_pax.optim.engine").kernels_enabled
+    enable = importlib.import_module("sonew_pax.optim.dispatch").kernels_enabled
 
     def enabled(implementation, mesh):
         return enable(implementation, mesh, kernels.DEFAULT) is not None

@@ -52,16 +52,11 @@ from sonew_pax.optim import grouping as grouping_lib
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding
 from sonew_pax.optim.chain import ChainLayout
-from sonew_pax.optim.engine import (
-    IMPLEMENTATIONS,
-    ApplyArgs,
-    Implementation,
-    make_step,
-    preconditioned,
-    slot_count,
-)
+from sonew_pax.optim.dispatch import preconditioned
+from sonew_pax.optim.engine import IMPLEMENTATIONS, ApplyArgs, Implementation, make_step
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.pointwise import Hyper
+from sonew_pax.optim.slots import slot_count
 from sonew_pax.optim.state import (
     ScaleBySONewDampedState,
     ScaleBySONewLagState,

@@ -12,8 +12,8 @@ the block's norm pairs: they read ``g, m, d, e`` and write ``m, d, e, u`` once.
   moments. Inside a block they are the block's own, shifted; at a block's first and last rows
   they come from ``prev`` and ``next`` (``_neighbour_rows``), built before the kernel from the
   old state: the rows just outside each block and, beyond the view, the tensor's ``edges``
-  (``engine._edges``: the previous column's last row, or a neighbouring shard's), their moments
-  updated by XLA (a few rows per block).
+  (``neighbours.exchanged_edges``: the previous column's last row, or a neighbouring shard's), their
+  moments updated by XLA (a few rows per block).
 * Bands ``b >= 2`` (:func:`_banded_kernel`): each block is extended by :func:`banded_halo` rows
   of the old state on each side, the whole-tensor step (``solve``) runs on the extended block,
   and the block keeps its own rows, as the XLA path does for a shard
@@ -144,7 +144,7 @@ def update(
     Args:
       g, m, d, e: the gradient and the old state as stored (``e`` of shape ``(b, *shape)``);
         ``m``, ``d`` and ``e`` are updated in place.
-      pre, post: the tensor's edges (``engine._edge_rows``): the old ``g``, ``m``, ``d``, ``e``
+      pre, post: the tensor's edges (``neighbours.edge_rows``): the old ``g``, ``m``, ``d``, ``e``
         at the chain positions before the view's first and after its last row
         (``chain.halo_width`` of them).
       corrections: ``(1 - b1^t, 1 - b2^t)``.
