@@ -3,14 +3,17 @@
 Depends on jax and optax only.
 """
 
-from sonew_pax.optim.kernels import KernelConfig
-from sonew_pax.optim.sharding import specs_of, stack_counts, state_partition_specs
-from sonew_pax.optim.sonew import (
+from sonew_pax.optim.config import (
     DEFAULT_DAMPING,
     DEFAULT_EPS,
     DEFAULT_GAMMA,
     DEFAULT_GRAFT_LAG,
     MAX_BAND,
+    SONewConfig,
+)
+from sonew_pax.optim.kernels import KernelConfig
+from sonew_pax.optim.sharding import specs_of, stack_counts, state_partition_specs
+from sonew_pax.optim.sonew import (
     ScaleBySONewDampedState,
     ScaleBySONewLagState,
     ScaleBySONewState,
@@ -28,6 +31,7 @@ __all__ = [
     "MAX_BAND",
     "GradientTransformationWithApply",
     "KernelConfig",
+    "SONewConfig",
     "ScaleBySONewDampedState",
     "ScaleBySONewLagState",
     "ScaleBySONewState",

@@ -17,8 +17,8 @@ import optax
 
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim.chain import ChainLayout
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.kernels import KernelConfig
-from sonew_pax.optim.pointwise import Hyper
 
 
 def preconditioned(ndim: int, precondition_1d: bool) -> bool:
@@ -69,7 +69,7 @@ def is_empty(layout: ChainLayout) -> bool:
     return math.prod(layout.shape) == 0
 
 
-def has_chain(layout: ChainLayout, hyper: Hyper) -> bool:
+def has_chain(layout: ChainLayout, hyper: SONewConfig) -> bool:
     """Whether the tensor's step reads its chain (it is preconditioned and not empty)."""
     return not is_empty(layout) and preconditioned(len(layout.layer.shape), hyper.precondition_1d)
 
@@ -81,7 +81,7 @@ def _has_axis(layout: ChainLayout) -> bool:
 
 
 def on_gpu_kernel(
-    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
 ) -> bool:
     """Whether ``engine._leaf_steps`` runs this preconditioned tensor's step as a GPU kernel."""
     return (
@@ -95,7 +95,7 @@ def on_gpu_kernel(
 
 
 def stack_on_kernel(
-    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
 ) -> bool:
     """Whether ``engine._leaf_steps`` runs a stack's steps as GPU kernels
     (``engine._stacked_step``): the kernels take each of its tensors."""
@@ -103,7 +103,7 @@ def stack_on_kernel(
 
 
 def on_tpu_kernel(
-    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
 ) -> bool:
     """Whether ``engine._leaf_steps`` runs this tensor's step as a TPU kernel (``kernels.tpu``): on
     a block whose view tiles (``tpu.block_shape``)."""
@@ -118,7 +118,7 @@ def on_tpu_kernel(
 
 
 def on_any_kernel(
-    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: Hyper
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
 ) -> bool:
     """Whether a kernel, the GPU's (:func:`on_gpu_kernel`) or the TPU's (:func:`on_tpu_kernel`),
     steps this tensor: its edges then hold the old state, and it may write its parameters."""

@@ -28,7 +28,7 @@ Which path takes each tensor is ``dispatch``'s to say. Both run the same ``point
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, NamedTuple, get_args
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ import optax
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding, solve
 from sonew_pax.optim.chain import ChainLayout, halo_width, norm_pairs, shift
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.dispatch import (
     band_of,
     has_chain,
@@ -57,7 +58,7 @@ from sonew_pax.optim.neighbours import (
     stack_edge_rows,
     stack_flat,
 )
-from sonew_pax.optim.pointwise import Hyper, Raw, Step
+from sonew_pax.optim.pointwise import Raw, Step
 from sonew_pax.optim.slots import (
     gathered,
     grafted,
@@ -66,9 +67,6 @@ from sonew_pax.optim.slots import (
     slot_starts,
     slot_values,
 )
-
-Implementation = Literal["auto", "xla", "pallas"]
-IMPLEMENTATIONS = get_args(Implementation)
 
 
 class Leaves(NamedTuple):
@@ -101,7 +99,7 @@ class LeafStep(NamedTuple):
 
 
 def _tridiagonal_step(
-    raw: Raw, e: jax.Array, edge: pallas.Edges, corrections, hyper: Hyper
+    raw: Raw, e: jax.Array, edge: pallas.Edges, corrections, hyper: SONewConfig
 ) -> Step:
     """Band 1 on XLA, on a whole tensor or a shard's block: :mod:`pointwise` on the chain shifts
     by one, the rows beyond the block from its ``edge`` (exchanged with those of every other
@@ -167,7 +165,7 @@ def _banded_step(
     e: Any,
     band: int,
     corrections,
-    hyper: Hyper,
+    hyper: SONewConfig,
     layout: ChainLayout,
     edge: pallas.Edges | None,
 ) -> tuple[Step, jax.Array | None]:
@@ -190,7 +188,9 @@ def _banded_step(
     return step, norm_pairs(_normed(step, corrections, hyper)) if _has_norms(hyper) else None
 
 
-def _on_extended_block(raw: Raw, e: jax.Array, band: int, corrections, hyper: Hyper, edge) -> Step:
+def _on_extended_block(
+    raw: Raw, e: jax.Array, band: int, corrections, hyper: SONewConfig, edge
+) -> Step:
     """Bands >= 2 on a shard's block: the whole-tensor step on the block extended by the rows
     its chain neighbours hold (its ``edge``, exchanged with those of every other tensor,
     ``neighbours.exchanged_edges``), cut back to the block. Each column of the extended block is
@@ -216,13 +216,13 @@ def _on_extended_block(raw: Raw, e: jax.Array, band: int, corrections, hyper: Hy
     return Step(block(step.adam), block(step.u), block(step.m), block(step.d), block(step.e, 1))
 
 
-def _has_norms(hyper: Hyper) -> bool:
+def _has_norms(hyper: SONewConfig) -> bool:
     """Whether a preconditioned tensor's step gives norm pairs: to graft, or for a relative
     damping's next scale."""
     return hyper.graft == "adam" or hyper.damping != "absolute"
 
 
-def _normed(step: Step, corrections, hyper: Hyper) -> list[jax.Array]:
+def _normed(step: Step, corrections, hyper: SONewConfig) -> list[jax.Array]:
     """The arrays whose norm pairs a step gives (:func:`_has_norms`), in the pairs' order: Adam's
     direction, ``u`` and, with a relative damping, ``sqrt(d_hat)`` (``pointwise.diagonal_root``)."""
     normed = [step.adam, step.u]
@@ -237,7 +237,7 @@ def _leaf_step(
     d: jax.Array,
     e: Any,
     corrections: tuple[jax.Array, jax.Array],
-    hyper: Hyper,
+    hyper: SONewConfig,
     layout: ChainLayout,
     edge: pallas.Edges | None = None,
     tpu: KernelConfig | None = None,
@@ -281,7 +281,7 @@ def _leaf_steps(
     edges: list,
     applies: list,
     corrections,
-    hyper: Hyper,
+    hyper: SONewConfig,
     kernels: KernelConfig | None,
     diag: tuple[jax.Array, list] | None = None,
 ) -> list[LeafStep]:
@@ -347,7 +347,7 @@ def _stacked_step(
     d: jax.Array,
     e: Any,
     corrections,
-    hyper: Hyper,
+    hyper: SONewConfig,
     layout: ChainLayout,
     edge: pallas.Edges | None,
     kernels: KernelConfig | None = None,
@@ -371,7 +371,7 @@ def _stacked_step(
     interpret = interpreted(kernels)
 
     def on_xla(g, m, d, e, rows, eps):
-        here = hyper if eps is None else hyper._replace(eps=eps)
+        here = hyper if eps is None else hyper.with_eps(eps)
         edge = None if rows is None else pallas.Edges(rows, 0)
         return _leaf_step(g, m, d, e, corrections, here, layer, edge)
 
@@ -416,7 +416,7 @@ def _raw(g: jax.Array, m: jax.Array, d: jax.Array) -> Raw:
     return Raw(g.astype(compute), m.astype(compute), d.astype(compute))
 
 
-def _damped(hyper: Hyper, diag: Any) -> Hyper:
+def _damped(hyper: SONewConfig, diag: Any) -> SONewConfig:
     """``hyper`` with this tensor's damping (``sonew``'s ``damping``): ``"absolute"`` keeps
     ``eps``; a relative damping multiplies it by ``diag``, the mean (``"mean"``) or largest entry
     (``"max"``) of the tensor's bias-corrected diagonal ``d_hat`` at the previous step (the
@@ -430,7 +430,7 @@ def _damped(hyper: Hyper, diag: Any) -> Hyper:
     """
     if hyper.damping == "absolute":
         return hyper
-    return hyper._replace(eps=pointwise.relative_eps(hyper.eps, diag))
+    return hyper.with_eps(pointwise.relative_eps(hyper.eps, diag))
 
 
 def _kernel_apply(
@@ -440,7 +440,7 @@ def _kernel_apply(
     e,
     slot: int | None,
     ratio: jax.Array | None,
-    hyper: Hyper,
+    hyper: SONewConfig,
     layout: ChainLayout,
     kernels: KernelConfig | None,
 ) -> pallas.Apply | None:
@@ -468,23 +468,37 @@ class ApplyArgs(NamedTuple):
     decayed: Any
 
 
-def make_step(
-    hyper: Hyper,
-    mesh: Any,
-    param_specs: Any,
-    implementation: str,
-    kernel_config: KernelConfig,
-    stacked_axes: Any = None,
-) -> Callable:
-    """The whole-tree step ``(updates, m, d, e, ratio, diag, corrections, apply) -> (out, m, d,
-    e, ratio, diag)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with
-    ``apply`` (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft
-    ratio before the step (:func:`_kernel_apply`), else ``pointwise.apply_update`` of ``u`` on
-    XLA. ``ratio`` (graft_lag's ratios) and ``diag`` (a relative damping's statistics,
-    :func:`_damped`) are each one array over the preconditioned tensors (``slots.slot_starts``), or
-    ``None``. ``stacked_axes`` says which leading dimensions of each tensor stack tensors
-    (``sharding.stack_counts``); their steps are :func:`_stacked_step`'s."""
-    kernels = kernels_enabled(implementation, mesh, kernel_config)
+def make_step(config: SONewConfig, mesh: Any, param_specs: Any) -> Callable:
+    """The whole-tree step of ``config``, on ``mesh`` with ``param_specs`` (or unsharded).
+
+    The step runs SONew's update (paper Algorithm 1 with the closed forms of Theorems 1 and 2 and
+    Algorithm 3's stable banded solve: ``pointwise``, ``solve``) per tensor, on the path that
+    ``dispatch`` picks, and grafts its direction (``slots``).
+
+    Args:
+      config: the checked config-parameters; ``implementation``, ``kernel_config`` and
+        ``stacked_axes`` (which leading dimensions of each tensor stack tensors,
+        ``sharding.stack_counts``; their steps are :func:`_stacked_step`'s) pick the paths.
+      mesh: the mesh the step runs on under ``shard_map``, or ``None``: on the arrays as they
+        are (under ``shard_map`` with their own specs where their type splits them).
+      param_specs: the parameters' ``PartitionSpec``s on ``mesh`` (``None`` without one).
+
+    Returns:
+      ``step(updates, m, d, e, ratio, diag, corrections, apply=None) -> (out, m, d, e, ratio,
+      diag)``: ``out`` is the grafted direction ``u`` in the gradients' dtype, or with ``apply``
+      (:class:`ApplyArgs`) the new parameters, from the kernels where they know the graft ratio
+      before the step (:func:`_kernel_apply`), else ``pointwise.apply_update`` of ``u`` on XLA.
+      ``ratio`` (graft_lag's ratios) and ``diag`` (a relative damping's statistics,
+      :func:`_damped`) are each one array over the preconditioned tensors
+      (``slots.slot_starts``), or ``None``; ``corrections`` is ``(1 - b1^t, 1 - b2^t)``.
+
+    References:
+      Devvrit et al., "A Computationally Efficient Sparsified Online Newton Method", NeurIPS
+      2023: Algorithm 1, Theorems 1 and 2, Algorithm 3.
+    """
+    kernel_config = pallas.DEFAULT if config.kernel_config is None else config.kernel_config
+    stacked_axes = config.stacked_axes
+    kernels = kernels_enabled(config.implementation, mesh, kernel_config)
 
     def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)
@@ -496,15 +510,15 @@ def make_step(
             else ([None] * n, [None] * n)
         )
         layouts = leaves.layouts
-        slots = slot_starts(layouts, hyper.precondition_1d)
+        slots = slot_starts(layouts, config.precondition_1d)
         lagged = [
             None if ratio is None or k is None else slot_values(ratio, k, lay)
             for k, lay in zip(slots, layouts, strict=True)
         ]
-        halos = halo_rows(leaves.m, leaves.d, leaves.e, layouts, hyper, kernels)
-        edges = exchanged_edges(leaves, hyper, kernels)
+        halos = halo_rows(leaves.m, leaves.d, leaves.e, layouts, config, kernels)
+        edges = exchanged_edges(leaves, config, kernels)
         fused_apply = [
-            _kernel_apply(apply, p, flag, ei, slot, ratio, hyper, lay, kernels)
+            _kernel_apply(apply, p, flag, ei, slot, ratio, config, lay, kernels)
             for ei, slot, lay, p, flag in zip(
                 leaves.e, slots, layouts, params, decayed, strict=True
             )
@@ -515,11 +529,11 @@ def make_step(
             edges,
             fused_apply,
             corrections,
-            hyper,
+            config,
             kernels,
             None if diag is None else (diag, slots),
         )
-        ratios, scales = norm_results([step.pairs for step in steps], layouts, hyper)
+        ratios, scales = norm_results([step.pairs for step in steps], layouts, config)
         out: list[list[Any]] = [[] for _ in range(4)]
         for g, step, fresh, old, p, flag, leaf_apply, lay in zip(
             leaves.grads, steps, ratios, lagged, params, decayed, fused_apply, layouts, strict=True

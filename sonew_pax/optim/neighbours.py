@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim.chain import ChainLayout, halo_width, parallel, run
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.dispatch import (
     band_of,
     has_chain,
@@ -25,14 +26,13 @@ from sonew_pax.optim.dispatch import (
     stack_on_kernel,
 )
 from sonew_pax.optim.kernels import KernelConfig
-from sonew_pax.optim.pointwise import Hyper
 
 if TYPE_CHECKING:
     from sonew_pax.optim.engine import Leaves
 
 
 def halo_rows(
-    m: list, d: list, e: list, layouts: list, hyper: Hyper, kernels: KernelConfig | None
+    m: list, d: list, e: list, layouts: list, hyper: SONewConfig, kernels: KernelConfig | None
 ) -> list:
     """The halo rows of every kernel tensor's ``(m, d, e)`` (bands >= 1; ``kernels.gather_halos``),
     gathered together before any step kernel overwrites its state: a few launches per model
@@ -57,7 +57,7 @@ def halo_rows(
     return halos
 
 
-def exchanged_edges(leaves: Leaves, hyper: Hyper, kernels: KernelConfig | None) -> list:
+def exchanged_edges(leaves: Leaves, hyper: SONewConfig, kernels: KernelConfig | None) -> list:
     """The ``edges`` (``kernels.Edges``) of every band >= 1 kernel tensor, every band-1 tensor on
     XLA and every sharded band >= 2 tensor on XLA thick enough to extend (:func:`_extends`),
     ``None`` for the others: those of the tensors of one layout, band and statistics

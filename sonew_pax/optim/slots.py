@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sonew_pax.optim.chain import ChainLayout, merge_pairs, merge_shards
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.dispatch import preconditioned
-from sonew_pax.optim.pointwise import Hyper
 
 
 def slot_starts(layouts: list, precondition_1d: bool) -> list[int | None]:
@@ -81,7 +81,7 @@ GRAFT_GROUP = 32
 
 
 def norm_results(
-    parts: list[jax.Array | None], layouts: list, hyper: Hyper
+    parts: list[jax.Array | None], layouts: list, hyper: SONewConfig
 ) -> tuple[list[jax.Array | None], list[jax.Array | None]]:
     """Each tensor's graft ratio ``||adam|| / ||u||`` (``None`` without grafting) and a relative
     damping's scale for the next step (:func:`_diag_scales`; ``None`` with the absolute one), each
@@ -149,7 +149,7 @@ def _graft_ratio(grafting: tuple[jax.Array, jax.Array]) -> jax.Array:
     return jnp.where(zero, 0, num / jnp.where(zero, 1, den))
 
 
-def _diag_scales(top: jax.Array, total: jax.Array, sizes: list[int], hyper: Hyper) -> Any:
+def _diag_scales(top: jax.Array, total: jax.Array, sizes: list[int], hyper: SONewConfig) -> Any:
     """A relative damping's scales for the next step (``None`` with the absolute one) from the
     merged pairs ``(tensors, pairs)`` of tensors of ``sizes`` elements, whose third is
     ``sqrt(d_hat)``'s: the mean of ``d_hat`` (``"mean"``: ``||sqrt(d_hat)||^2 / size``) or its
