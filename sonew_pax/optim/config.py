@@ -36,11 +36,9 @@ Number = float | jax.Array
 MAX_BAND = 16
 # Defaults. ``eps`` is relative: each tensor's diagonal is damped by ``eps`` times the mean of its
 # bias-corrected diagonal ``d_hat`` (``damping="mean"``), so its best value does not follow the
-# gradients' squared scale as an absolute one does (whose best moved from 1.3e-6 on the paper's
-# MNIST autoencoder to 1e-10 on a 134M-parameter LM). With only the learning rate tuned, 0.1 was
-# the best on the 134M LM and within 1% of the best loss on the 14M and 0.4M LMs and the MNIST
-# autoencoder; 5e-2, within 0.4% on the 0.4M LM, is 2.1% behind on the 134M one
-# (benchmarks/README.md). ``gamma`` is the relative Schur-complement tolerance of Algorithm 3:
+# gradients' squared scale as an absolute one does. 0.1 is the value chosen across the LMs and the
+# MNIST autoencoder with only the learning rate tuned (the sweeps: benchmarks/README.md,
+# docs/performance.md). ``gamma`` is the relative Schur-complement tolerance of Algorithm 3:
 # ``1 - rho^2 <= 1e-4`` (|correlation| > 0.99995) is within ~1e3 float32 roundings of zero, so
 # such edges are dropped rather than trusted.
 DEFAULT_EPS = 0.1
@@ -57,7 +55,9 @@ class SONewConfig:
     with its default, and is documented there. The numbers may be arrays (traced under
     ``optax.inject_hyperparams`` and inside ``jit``; the kernels rebuild a config from their
     scalar inputs): only concrete values are range-checked. ``band`` and ``stack_by_shape`` are
-    structural (they set the state's shapes and layout).
+    structural (they set the state's shapes and layout). Inside the step, ``eps`` is one tensor's
+    damping (:meth:`with_eps`): with ``damping="absolute"`` as given, else relative to the
+    tensor's diagonal (``engine._damped``).
 
     Raises:
       ValueError: a value out of range or not among its options, naming its field.

@@ -22,6 +22,7 @@ from sonew_pax.optim.kernels import KernelConfig
 
 
 def preconditioned(ndim: int, precondition_1d: bool) -> bool:
+    """Whether a tensor of ``ndim`` dimensions is preconditioned, else it takes Adam's direction."""
     return ndim >= 2 or precondition_1d
 
 
@@ -35,6 +36,14 @@ def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> Ker
     sharded by the caller's ``jit``, which cannot partition a kernel (it would gather every
     tensor), so XLA runs.
     ``"xla"``: never.
+
+    Args:
+      implementation: ``"auto"``, ``"xla"`` or ``"pallas"`` (``SONewConfig.implementation``).
+      mesh: the mesh the step runs on under ``shard_map``, or ``None``.
+      config: the kernels' configuration.
+
+    Returns:
+      ``config`` where the kernels may run, else ``None``.
     """
     if implementation != "auto":
         enabled = implementation == "pallas"

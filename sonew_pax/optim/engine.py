@@ -146,7 +146,7 @@ def _successors(x: jax.Array, last: jax.Array) -> jax.Array:
     """``x`` shifted up one row along axis 0, ``last`` its new last row, as a sum of two pads.
 
     The same values as a ``concatenate``, which XLA's GPU compiler hoists to the root of the fusion
-    that updates ``e`` and then emits operand by operand, at about half the bandwidth of a loop.
+    that updates ``e`` and then emits operand by operand (its cost: docs/performance.md).
     """
     rest = ((0, 0),) * (x.ndim - 1)
     return jnp.pad(x[1:], ((0, 1), *rest)) + jnp.pad(last[None], ((x.shape[0] - 1, 0), *rest))

@@ -196,10 +196,10 @@ def scale_by_sonew(
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
         does not wait for the step's norms. The ratio starts at 0, so the first update is zero
         (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
-        are unaffected. On the autoencoder benchmark 0.016 worse on average over 4 seeds (within
-        the seeds' spread); it is what lets the kernels apply the update (module docstring).
+        are unaffected. It is what lets the kernels apply the update (module docstring); its
+        cost in loss is measured in docs/performance.md.
       kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); ``None``:
-        ``kernels.DEFAULT``, the fastest measured.
+        ``kernels.DEFAULT`` (its tuning: docs/performance.md).
       damping: how ``eps`` damps the diagonal: ``"mean"`` (default) adds ``eps`` times the mean
         of the tensor's bias-corrected diagonal ``d_hat``; ``"absolute"`` adds ``eps`` itself (its
         best value follows the gradients' squared scale, so it changes with the model); ``"max"``
@@ -220,7 +220,7 @@ def scale_by_sonew(
         stacked tensor is preconditioned as a parameter of its own (its chain, damping and graft
         ratio; the state keeps a number per stacked tensor), so a stacked model's update equals
         the unstacked one's, and its step is traced and fused once per stack, not once per
-        tensor: a stacked model compiles its update in a fraction of the time. The stacked axes
+        tensor (compile times: docs/performance.md). The stacked axes
         may not be sharded. On GPU a stack runs the kernels vectorized over its tensors.
       stack_by_shape: store the state of the parameters that share a shape, dtype, stacking and
         layout stacked, and step each such set as one stack (``stacked_axes``'s way), which makes
@@ -258,6 +258,18 @@ def scale_by_sonew(
     values (``m``, ``d`` at the entry, ``e`` on its ``2 band`` edges), so the tensor's later
     updates stay non-finite: the trainer stops, or skips such a step before the optimizer sees it
     (``train.non_finite``). Tensors with a 0-size dimension get an empty update.
+
+    References:
+      Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon, "A Computationally Efficient Sparsified
+      Online Newton Method", NeurIPS 2023: Algorithm 1
+      (the update; ``d`` and ``e`` are the moving averages of ``H_t``'s nonzeros, eq.
+      ``sparseupdate``), the LogDet subproblem (eq. ``gensubprob``), its closed forms ``X = L D
+      L^T``: Theorem 1 (``band=1``, eq. ``explsolntridiag``: ``L_{j+1,j} = -H_{j+1,j} /
+      H_{j+1,j+1}``, ``1/D_jj = H_jj - H_{j+1,j}^2 / H_{j+1,j+1}``) and Theorem 2 (``band=b``,
+      eq. ``explsolnbanded``, Algorithm 2), and Algorithm 3, the numerically stable variant that
+      cuts the chain where the Schur complement is ``<= gamma H_jj``. The damping's scale:
+      Theorem 3 (regret bound). Grafting: Agarwal et al., "Disentangling Adaptive Gradient
+      Methods from Learning Rates" (2020).
     """
     return _scale_by_sonew(SONewConfig.of(locals()), mesh, param_specs)
 
@@ -491,8 +503,13 @@ def sonew(
       A ``GradientTransformationWithApply``.
 
     References:
-      Devvrit et al., "A Computationally Efficient Sparsified Online Newton Method", NeurIPS
-      2023: Algorithm 1 with Theorems 1 and 2 (the LogDet solutions) and Algorithm 3.
+      Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon, "A Computationally Efficient Sparsified
+      Online Newton Method", NeurIPS 2023: Algorithm 1
+      (SONew) with the statistics ``H_t = H_{t-1} + P_G(g_t g_t^T)`` (eq. ``sparseupdate``, as
+      moving averages here), the LogDet subproblem ``X_t = argmin -log det X + Tr(X H_t)`` over
+      the band's sparsity (eq. ``gensubprob``) solved in closed form by Theorem 1 (tridiagonal,
+      eq. ``explsolntridiag``) and Theorem 2 (banded, eq. ``explsolnbanded``; Algorithm 2), made
+      numerically stable by Algorithm 3 (``gamma``). Decoupled weight decay as ``optax.adamw``.
 
     Example::
 
