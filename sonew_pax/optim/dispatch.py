@@ -89,17 +89,26 @@ def _has_axis(layout: ChainLayout) -> bool:
     return bool(layout.layer.shape)
 
 
+def _kernel_candidate(
+    kernels: KernelConfig | None, platform: str, layout: ChainLayout, hyper: SONewConfig
+) -> bool:
+    """Whether ``platform``'s kernels are enabled and the tensor is one they may take: not a
+    stack, with a chain laid out along an axis 0."""
+    return (
+        kernels is not None
+        and _platform(kernels) == platform
+        and not layout.stack
+        and has_chain(layout, hyper)
+        and _has_axis(layout)
+    )
+
+
 def on_gpu_kernel(
     kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
 ) -> bool:
     """Whether ``engine._leaf_steps`` runs this preconditioned tensor's step as a GPU kernel."""
-    return (
-        kernels is not None
-        and _platform(kernels) == "gpu"
-        and not layout.stack
-        and has_chain(layout, hyper)
-        and _has_axis(layout)
-        and pallas.supported(layout, band, kernels)
+    return _kernel_candidate(kernels, "gpu", layout, hyper) and pallas.supported(
+        layout, band, kernels
     )
 
 
@@ -116,14 +125,9 @@ def on_tpu_kernel(
 ) -> bool:
     """Whether ``engine._leaf_steps`` runs this tensor's step as a TPU kernel (``kernels.tpu``): on
     a block whose view tiles (``tpu.block_shape``)."""
-    return (
-        kernels is not None
-        and _platform(kernels) == "tpu"
-        and not layout.stack
-        and has_chain(layout, hyper)
-        and _has_axis(layout)
-        and pallas.tpu.block_shape(pallas.local_shape(layout), band, kernels) is not None
-    )
+    if not _kernel_candidate(kernels, "tpu", layout, hyper):
+        return False
+    return pallas.tpu.block_shape(pallas.local_shape(layout), band, kernels) is not None
 
 
 def on_any_kernel(
