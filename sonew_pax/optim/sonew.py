@@ -261,13 +261,13 @@ def scale_by_sonew(
 
     References:
       Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon, "A Computationally Efficient Sparsified
-      Online Newton Method", NeurIPS 2023: Algorithm 1
-      (the update; ``d`` and ``e`` are the moving averages of ``H_t``'s nonzeros, eq.
-      ``sparseupdate``), the LogDet subproblem (eq. ``gensubprob``), its closed forms ``X = L D
-      L^T``: Theorem 1 (``band=1``, eq. ``explsolntridiag``: ``L_{j+1,j} = -H_{j+1,j} /
-      H_{j+1,j+1}``, ``1/D_jj = H_jj - H_{j+1,j}^2 / H_{j+1,j+1}``) and Theorem 2 (``band=b``,
-      eq. ``explsolnbanded``, Algorithm 2), and Algorithm 3, the numerically stable variant that
-      cuts the chain where the Schur complement is ``<= gamma H_jj``. The damping's scale:
+      Online Newton Method", NeurIPS 2023: Algorithm 1 (the update; ``d`` and ``e`` are the
+      moving averages of ``H_t``'s nonzeros, eq. ``sparseupdate``); the LogDet subproblem (eq.
+      ``gensubprob``) and its closed forms ``X = L D L^T``: Theorem 1 (``band=1``, eq.
+      ``explsolntridiag``: ``L_{j+1,j} = -H_{j+1,j} / H_{j+1,j+1}`` and
+      ``1 / D_jj = H_jj - H_{j+1,j}^2 / H_{j+1,j+1}``), Theorem 2 (``band=b``, eq.
+      ``explsolnbanded``; Algorithm 2) and Algorithm 3, the numerically stable variant, which
+      cuts the chain where the Schur complement is ``<= gamma * H_jj``. The damping's scale:
       Theorem 3 (regret bound). Grafting: Agarwal et al., "Disentangling Adaptive Gradient
       Methods from Learning Rates" (2020).
     """
@@ -504,12 +504,12 @@ def sonew(
 
     References:
       Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon, "A Computationally Efficient Sparsified
-      Online Newton Method", NeurIPS 2023: Algorithm 1
-      (SONew) with the statistics ``H_t = H_{t-1} + P_G(g_t g_t^T)`` (eq. ``sparseupdate``, as
-      moving averages here), the LogDet subproblem ``X_t = argmin -log det X + Tr(X H_t)`` over
-      the band's sparsity (eq. ``gensubprob``) solved in closed form by Theorem 1 (tridiagonal,
-      eq. ``explsolntridiag``) and Theorem 2 (banded, eq. ``explsolnbanded``; Algorithm 2), made
-      numerically stable by Algorithm 3 (``gamma``). Decoupled weight decay as ``optax.adamw``.
+      Online Newton Method", NeurIPS 2023: Algorithm 1 (SONew) with the statistics
+      ``H_t = H_{t-1} + P_G(g_t g_t^T)`` (eq. ``sparseupdate``; moving averages here), and the
+      LogDet subproblem ``X_t = argmin -log det X + Tr(X H_t)`` over the band's sparsity (eq.
+      ``gensubprob``), solved in closed form by Theorem 1 (tridiagonal, eq. ``explsolntridiag``)
+      and Theorem 2 (banded, eq. ``explsolnbanded``; Algorithm 2), made numerically stable by
+      Algorithm 3 (``gamma``). Decoupled weight decay as ``optax.adamw``.
 
     Example::
 
