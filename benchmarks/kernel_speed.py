@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from benchmarks import common, lm_shapes, update_speed, updates
-from sonew_pax.optim import kernels, pointwise
+from sonew_pax.optim import SONewConfig, kernels
 
 # (rows, cols, num_warps) of a program's tile, as ``--tiles`` and ``--scan_tiles`` spell them
 TILES = "16x64x4,16x64x8,8x64x4,8x128x4,8x128x8,16x128x8,32x64x8,32x32x4,16x32x2"
@@ -43,7 +43,9 @@ def time_kernel(band: int, setting: tuple, shape, args) -> tuple[float, int]:
     g = 1e-3 * jax.random.normal(key, shape)
     m, d = jnp.zeros(shape), jnp.full(shape, 1e-6)
     e = jnp.zeros((1, *shape)) if band else optax.MaskedNode()
-    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
+    hyper = SONewConfig(
+        b1=0.9, b2=0.95, eps=1e-8, gamma=1e-4, precondition_1d=True, damping="absolute"
+    )
     corrections = (jnp.float32(0.1), jnp.float32(0.05))
 
     interpret = jax.default_backend() != "gpu"

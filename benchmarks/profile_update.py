@@ -34,7 +34,7 @@ from pathlib import Path
 import jax
 
 from benchmarks import common, device_trace, lm_shapes, updates
-from sonew_pax.optim.sonew import DEFAULT_EPS
+from sonew_pax.optim.config import DEFAULT_EPS
 
 COLUMNS = ("optimizer", "wall_ms", "busy_ms", "span_ms", "idle_ms", "kernels")
 FAMILY_COLUMNS = ("name", "ms", "count")

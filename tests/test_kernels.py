@@ -18,7 +18,7 @@ import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import apply_gradients, kernels, pointwise, sharding, sonew
+from sonew_pax.optim import SONewConfig, apply_gradients, kernels, sharding, sonew
 from sonew_pax.optim.chain import ChainLayout, edges_of, halo_width
 from sonew_pax.optim.chain import run as run_exchange
 from sonew_pax.optim.kernels import KernelConfig, banded, launch
@@ -393,7 +393,9 @@ def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monke
 def test_group_update_rejects_tensors_of_different_launch_keys():
     """One launch serves one shape, dtype set and apply: a float32 and a bfloat16 momentum, or
     two shapes, are refused before any kernel is built."""
-    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    hyper = SONewConfig(
+        b1=0.9, b2=0.95, eps=1e-8, gamma=0.0, precondition_1d=True, damping="absolute"
+    )
     g, e = jnp.zeros((16, 64)), jnp.zeros((1, 16, 64))
     for m2, g2 in ((g.astype(jnp.bfloat16), g), (jnp.zeros((8, 64)), jnp.zeros((8, 64)))):
         with pytest.raises(ValueError, match="different launch keys"):
@@ -540,7 +542,7 @@ def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypa
     (``shard_map`` knows which tensors are whole) or on one device, XLA without a mesh on several
     devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel)."""
     # (by module path: the package exports the function sonew(), not the module)
-    enable = importlib.import_module("sonew_pax.optim.engine").kernels_enabled
+    enable = importlib.import_module("sonew_pax.optim.dispatch").kernels_enabled
 
     def enabled(implementation, mesh):
         return enable(implementation, mesh, kernels.DEFAULT) is not None
@@ -602,7 +604,9 @@ def test_scan_kernel_rejects_blocks_smaller_than_its_lanes():
     update = functools.partial(kernels.leaf_update, config=KernelConfig(scan_stack=4))
     shape = (40, 64)
     m, d, e = jnp.zeros(shape), jnp.ones(shape), jnp.zeros((1, *shape))
-    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    hyper = SONewConfig(
+        b1=0.9, b2=0.95, eps=1e-8, gamma=0.0, precondition_1d=True, damping="absolute"
+    )
     with pytest.raises(ValueError, match="16 rows in 4 walks of 16 columns for 32 x 4 lanes"):
         update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 16, 4))
     update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=(16, 32, 4))
@@ -615,7 +619,9 @@ def test_banded_kernel_rejects_halo_copies_beyond_int32():
     shape = (50_000, 1_000)
     spec = jax.ShapeDtypeStruct(shape, jnp.float32)
     e = jax.ShapeDtypeStruct((4, *shape), jnp.float32)
-    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 1e-4, 1e-8, "adam", True)
+    hyper = SONewConfig(
+        b1=0.9, b2=0.95, eps=1e-8, gamma=1e-4, precondition_1d=True, damping="absolute"
+    )
 
     def step(g, m, d, e, tile):
         return kernels.leaf_update(g, m, d, e, (0.1, 0.05), hyper, interpret=True, tile=tile)
@@ -630,7 +636,9 @@ def test_leaf_update_rejects_halos_of_another_tile():
     m, d = jnp.zeros(shape), jnp.ones(shape)
     e = jnp.zeros((1, *shape))
     halos = tuple(kernels.gather_halos([m, d, e[0]], rows=4, interpret=True))
-    hyper = pointwise.Hyper(0.9, 0.95, 1e-8, 0.0, 1e-8, "adam", True)
+    hyper = SONewConfig(
+        b1=0.9, b2=0.95, eps=1e-8, gamma=0.0, precondition_1d=True, damping="absolute"
+    )
     rows = kernels.default_tile(1, shape, kernels.DEFAULT)[0]
     with pytest.raises(ValueError, match=f"chunks of 4 rows, tile has {rows}"):
         kernels.leaf_update(m, m, d, e, (0.1, 0.05), hyper, interpret=True, halos=halos)

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sonew_pax.optim import ScaleBySONewDampedState, engine, sonew, specs_of, state_partition_specs
+from sonew_pax.optim import ScaleBySONewDampedState, slots, sonew, specs_of, state_partition_specs
 
 
 def make_mesh(shape):
@@ -105,10 +105,10 @@ def test_sharded_equals_unsharded(x64, mesh_shape, band):
 
 @pytest.mark.parametrize("band", [1, 2])
 def test_more_tensors_of_one_layout_than_one_norm_reduction_takes(x64, band):
-    """The norm pairs of at most ``engine._GRAFT_GROUP`` tensors are merged by one reduction:
+    """The norm pairs of at most ``slots.GRAFT_GROUP`` tensors are merged by one reduction:
     with more tensors of one layout than that, each tensor still steps as it does alone, and
     sharded as unsharded (band 1's edges on XLA; band 2's extended blocks)."""
-    count = engine._GRAFT_GROUP + 3
+    count = slots.GRAFT_GROUP + 3
     mesh = make_mesh((2, 4))
     rng = np.random.default_rng(band)
     params = {f"w{i:02d}": jnp.asarray(rng.normal(size=(8, 8))) for i in range(count)}
@@ -119,7 +119,7 @@ def test_more_tensors_of_one_layout_than_one_norm_reduction_takes(x64, band):
     kwargs = dict(band=band, eps=1e-4, gamma=1e-6, stats_dtype=jnp.float64)
     assert_sharded_matches(kwargs, params, specs, mesh, grads_seq, rtol=1e-10)
     together, _ = run(sonew(0.1, **kwargs), params, grads_seq)
-    for k in ("w00", f"w{engine._GRAFT_GROUP:02d}", f"w{count - 1:02d}"):
+    for k in ("w00", f"w{slots.GRAFT_GROUP:02d}", f"w{count - 1:02d}"):
         alone, _ = run(sonew(0.1, **kwargs), {k: params[k]}, [{k: g[k]} for g in grads_seq])
         for a, t in zip(alone, together, strict=True):
             np.testing.assert_allclose(t[k], a[k], rtol=1e-12, atol=0)

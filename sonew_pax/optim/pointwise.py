@@ -19,25 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from sonew_pax.optim import solve
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.fma import madd
-
-
-class Hyper(NamedTuple):
-    """Hyperparameters of one step: numbers (arrays under ``inject_hyperparams``) and flags.
-
-    ``eps`` is the damping added to the bias-corrected diagonal: with ``damping="absolute"`` as
-    given; otherwise the engine replaces it per tensor (``engine._damped``) before these functions
-    see it, and the steps then also give the norm pair of :func:`diagonal_root`.
-    """
-
-    b1: Any
-    b2: Any
-    eps: Any
-    gamma: Any
-    graft_eps: Any
-    graft: str
-    precondition_1d: bool
-    damping: str = "absolute"
 
 
 class Raw(NamedTuple):
@@ -76,7 +59,7 @@ def _factors(corrections) -> tuple[Any, Any]:
     return 1 / bc1, 1 / bc2
 
 
-def moments(raw: Raw, hyper: Hyper) -> tuple[jax.Array, jax.Array]:
+def moments(raw: Raw, hyper: SONewConfig) -> tuple[jax.Array, jax.Array]:
     """The updated first and diagonal moments ``(m, d)`` before bias correction (``d``'s dtype)."""
     m = madd(hyper.b1, raw.m.astype(raw.d.dtype), (1 - hyper.b1) * raw.g)
     d = madd(hyper.b2, raw.d, (1 - hyper.b2) * jnp.square(raw.g))
@@ -110,13 +93,13 @@ def diagonal_root(d: jax.Array, corrections) -> jax.Array:
     return jnp.where(normal, root, jnp.where(small, 0, d_hat))
 
 
-def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: Hyper) -> jax.Array:
+def adam_direction(m: jax.Array, d: jax.Array, corrections, hyper: SONewConfig) -> jax.Array:
     """``m_hat / (sqrt(d_hat) + graft_eps)``: the direction SONew's is grafted onto."""
     c1, c2 = _factors(corrections)
     return (m * c1) / (jnp.sqrt(d * c2) + hyper.graft_eps)
 
 
-def diagonal_step(raw: Raw, corrections, hyper: Hyper) -> Step:
+def diagonal_step(raw: Raw, corrections, hyper: SONewConfig) -> Step:
     """Band 0 (diag-SONew): ``u = m_hat / (d_hat + eps)``."""
     c1, c2 = _factors(corrections)
     m, d = moments(raw, hyper)
@@ -135,13 +118,13 @@ class Vertex(NamedTuple):
     w: jax.Array
 
 
-def vertex(raw: Raw, corrections, hyper: Hyper) -> Vertex:
+def vertex(raw: Raw, corrections, hyper: SONewConfig) -> Vertex:
     """The :class:`Vertex` of one position from its raw values."""
     return vertex_of_moments(raw.g, *moments(raw, hyper), corrections, hyper)
 
 
 def vertex_of_moments(
-    g: jax.Array, m: jax.Array, d: jax.Array, corrections, hyper: Hyper
+    g: jax.Array, m: jax.Array, d: jax.Array, corrections, hyper: SONewConfig
 ) -> Vertex:
     """The :class:`Vertex` of one position from its gradient and new moments (:func:`moments`)."""
     c1, c2 = _factors(corrections)
@@ -149,12 +132,14 @@ def vertex_of_moments(
     return Vertex(g, m, d, scale, scale * (m * c1))
 
 
-def edge_statistic(e_old: jax.Array, g_a: jax.Array, g_b: jax.Array, hyper: Hyper) -> jax.Array:
+def edge_statistic(
+    e_old: jax.Array, g_a: jax.Array, g_b: jax.Array, hyper: SONewConfig
+) -> jax.Array:
     """The new statistic ``e`` of the edge between positions with gradients ``g_a`` and ``g_b``."""
     return madd(hyper.b2, e_old, (1 - hyper.b2) * g_a * g_b)
 
 
-def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
+def correlation(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: SONewConfig) -> tuple:
     """The edge ``(a, b)`` of chain positions ``k`` apart (any ``k`` in the band): ``(e, rho)``
     with ``e`` its new statistic and ``rho = e_hat s_a s_b`` its entry of the unit-diagonal
     ``C = S H S`` (``solve.correlations``)."""
@@ -168,7 +153,7 @@ def _correlation_of(e: jax.Array, a: Vertex, b: Vertex, corrections) -> jax.Arra
     return e * c2 * a.scale * b.scale
 
 
-def edge_factor(e: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
+def edge_factor(e: jax.Array, a: Vertex, b: Vertex, corrections, hyper: SONewConfig) -> tuple:
     """The edge ``(a, b)`` of consecutive chain positions from its new statistic ``e``: ``(l, z)``
     with ``(l, D)`` Theorem 1's ``L_{b,a}`` and ``D_aa`` on its correlation
     (``solve.tridiagonal_inverse``) and ``z = D_aa (w_a + l w_b)``, the factor's ``D L^T w`` at
@@ -177,7 +162,7 @@ def edge_factor(e: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -
     return lower[0], diag * (a.w + lower[0] * b.w)
 
 
-def edge(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: Hyper) -> tuple:
+def edge(e_old: jax.Array, a: Vertex, b: Vertex, corrections, hyper: SONewConfig) -> tuple:
     """:func:`edge_factor` of the edge's statistic updated from ``e_old``: ``(e, l, z)``."""
     e = edge_statistic(e_old, a.g, b.g, hyper)
     return (e, *edge_factor(e, a, b, corrections, hyper))
@@ -190,7 +175,7 @@ def tridiagonal_direction(
     e_here: jax.Array,
     e_before: jax.Array,
     corrections,
-    hyper: Hyper,
+    hyper: SONewConfig,
 ) -> jax.Array:
     """Band 1's ``u_j = s_j [z_j + l_{j-1} z_{j-1}]`` (:func:`edge_factor`) from the vertices at
     ``j - 1``, ``j``, ``j + 1`` and the new statistics of the edges ``(j, j+1)`` and
@@ -201,7 +186,7 @@ def tridiagonal_direction(
 
 
 def tridiagonal_step(
-    at: dict[int, Raw], e_at: jax.Array, e_before: jax.Array, corrections, hyper: Hyper
+    at: dict[int, Raw], e_at: jax.Array, e_before: jax.Array, corrections, hyper: SONewConfig
 ) -> Step:
     """Band 1 at position ``j`` from the raw values at ``j - 1``, ``j``, ``j + 1`` (``at[k]``).
 

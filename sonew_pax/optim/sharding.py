@@ -60,9 +60,21 @@ def _padded(spec: P | None, ndim: int) -> tuple:
 
 
 def specs_of(tree: Any) -> Any:
-    """Each array's ``PartitionSpec`` as the array carries it (`named_sharding`; ``P()`` where it
-    carries none), e.g. ``sonew(lr, mesh=mesh, param_specs=specs_of(params))`` for parameters
-    already placed on ``mesh``."""
+    """Each array's ``PartitionSpec`` as the array carries it.
+
+    E.g. ``sonew(lr, mesh=mesh, param_specs=specs_of(params))`` for parameters already placed on
+    ``mesh``.
+
+    Args:
+      tree: a pytree of arrays (or of ``jax.ShapeDtypeStruct`` with a sharding).
+
+    Returns:
+      A tree of ``tree``'s structure: each leaf's ``PartitionSpec`` (`named_sharding`'s, padded to
+      the leaf's rank), ``P()`` where the leaf carries no ``NamedSharding``.
+
+    References:
+      JAX's ``jax.sharding.NamedSharding`` and ``PartitionSpec`` (distributed arrays guide).
+    """
 
     def spec(x: Any) -> P:
         found = named_sharding(x)
@@ -177,9 +189,16 @@ def stack_counts(stacked_axes: Any, tree: Any) -> Any:
         returning one.
       tree: the parameters or gradients (arrays or shape-dtype structs).
 
+    Returns:
+      A tree of ``tree``'s structure holding each leaf's count, an int in ``[0, ndim]``.
+
     Raises:
       ValueError: naming a leaf whose count is not an int in ``[0, ndim]``, or a prefix that does
         not match ``tree``.
+
+    References:
+      flax's ``nn.scan`` (a layer's parameters stacked on a leading axis), which each stacked
+      tensor then preconditions as a parameter of its own (paper: Algorithm 1 per tensor).
     """
     prefix = stacked_axes(tree) if callable(stacked_axes) else stacked_axes
 
@@ -372,6 +391,17 @@ def state_partition_specs(opt_state: Any, param_specs: Any) -> Any:
     wrapper (``inject_hyperparams``, ``MultiSteps``, masks). Every sub-tree that mirrors the
     parameters gets the parameters' specs; SONew's stacked off-diagonals get an unsharded leading
     band axis; scalars (SONew's lagged graft ratios among them) and anything else are replicated.
+
+    Args:
+      opt_state: the optimizer's state (arrays or ``jax.ShapeDtypeStruct``).
+      param_specs: the parameters' ``PartitionSpec``s, a tree of the parameters' structure.
+
+    Returns:
+      A tree of ``opt_state``'s structure holding a ``PartitionSpec`` per leaf, e.g. for
+      ``jax.jit(..., out_shardings=...)`` or a checkpoint's restore.
+
+    References:
+      JAX's ``jax.sharding.PartitionSpec``; optax's state pytrees (``optax.chain``'s tuple).
     """
     return _state_specs(opt_state, param_specs)
 

@@ -38,30 +38,31 @@ References:
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable
-from typing import Any, Literal, get_args
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from sonew_pax.optim import grouping as grouping_lib
-from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding
 from sonew_pax.optim.chain import ChainLayout
-from sonew_pax.optim.engine import (
-    IMPLEMENTATIONS,
-    ApplyArgs,
+from sonew_pax.optim.config import (
+    Damping,
+    Graft,
     Implementation,
-    make_step,
-    preconditioned,
-    slot_count,
+    Number,
+    SONewConfig,
+    check_nonnegative,
+    checked_learning_rate,
+    static_band,
+    usable_band,
 )
+from sonew_pax.optim.dispatch import preconditioned
+from sonew_pax.optim.engine import ApplyArgs, make_step
 from sonew_pax.optim.kernels import KernelConfig
-from sonew_pax.optim.pointwise import Hyper
+from sonew_pax.optim.slots import slot_count
 from sonew_pax.optim.state import (
     ScaleBySONewDampedState,
     ScaleBySONewLagState,
@@ -69,73 +70,6 @@ from sonew_pax.optim.state import (
     StackedByShapeState,
 )
 from sonew_pax.optim.transform import GradientTransformationWithApply
-
-Graft = Literal["adam", "none"]
-Damping = Literal["absolute", "mean", "max"]
-GRAFTS = get_args(Graft)
-DAMPINGS = get_args(Damping)
-# The widest band accepted. The banded solve is unrolled (``solve``: ``O(band^3)`` operations per
-# element, traced and compiled as such), so compile time grows at least as ``band^3``: wider bands
-# are refused rather than left to compile without bound.
-MAX_BAND = 16
-# Defaults. ``eps`` is relative: each tensor's diagonal is damped by ``eps`` times the mean of its
-# bias-corrected diagonal ``d_hat`` (``damping="mean"``), so its best value does not follow the
-# gradients' squared scale as an absolute one does (whose best moved from 1.3e-6 on the paper's
-# MNIST autoencoder to 1e-10 on a 134M-parameter LM). With only the learning rate tuned, 0.1 was
-# the best on the 134M LM and within 1% of the best loss on the 14M and 0.4M LMs and the MNIST
-# autoencoder; 5e-2, within 0.4% on the 0.4M LM, is 2.1% behind on the 134M one
-# (benchmarks/README.md). ``gamma`` is the relative Schur-complement tolerance of Algorithm 3:
-# ``1 - rho^2 <= 1e-4`` (|correlation| > 0.99995) is within ~1e3 float32 roundings of zero, so
-# such edges are dropped rather than trusted.
-DEFAULT_EPS = 0.1
-DEFAULT_DAMPING = "mean"
-DEFAULT_GRAFT_LAG = False
-DEFAULT_GAMMA = 1e-4
-
-
-def _concrete(value: Any) -> np.ndarray | None:
-    """``value`` as a NumPy array when it is a number or a concrete array; None when it is traced
-    (inside ``jit`` or ``optax.inject_hyperparams``' update) or not numeric."""
-    if isinstance(value, jax.core.Tracer) or callable(value):
-        return None
-    try:
-        array = np.asarray(value)
-    except (TypeError, ValueError):
-        return None
-    return array if np.issubdtype(array.dtype, np.number) else None
-
-
-def _check_fraction(name: str, value: Any) -> None:
-    """Raises ``ValueError`` unless every concrete entry of ``value`` lies in ``[0, 1)``."""
-    array = _concrete(value)
-    if array is not None and not np.all((array >= 0) & (array < 1)):
-        raise ValueError(f"{name} must lie in [0, 1), got {value!r}.")
-
-
-def _check_nonnegative(name: str, value: Any) -> None:
-    """Raises ``ValueError`` unless every concrete entry of ``value`` is finite and ``>= 0``."""
-    array = _concrete(value)
-    if array is not None and not np.all(np.isfinite(array) & (array >= 0)):
-        raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
-
-
-def _checked_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.ScalarOrSchedule:
-    """``learning_rate``, checked finite and ``>= 0`` (a negative rate would ascend).
-
-    A number or concrete array is checked here; a schedule is wrapped so that each value it
-    returns outside ``jit`` is checked when it is computed (inside ``jit`` its values are traced;
-    the trainer checks the rate it logs).
-    """
-    if not callable(learning_rate):
-        _check_nonnegative("learning_rate", learning_rate)
-        return learning_rate
-
-    def checked(count: Any) -> Any:
-        value = learning_rate(count)
-        _check_nonnegative(f"learning_rate (the schedule's value at step {count})", value)
-        return value
-
-    return checked
 
 
 def _check_real_floats(tree: Any, what: str) -> None:
@@ -159,53 +93,6 @@ def _check_real_floats(tree: Any, what: str) -> None:
         )
 
 
-def _static_band(band: Any) -> int | None:
-    """``band`` as a Python int; ``None`` when traced.
-
-    ``optax.inject_hyperparams`` turns every numeric argument, ``band`` included, into an array.
-    A concrete array is accepted; a traced one is fine inside ``update``, which reads the band
-    from the state's shapes.
-    """
-    if isinstance(band, jax.core.Tracer):
-        return None  # under jit; ``update`` reads the band from the state's shapes
-    value = np.asarray(band)
-    if value.shape or value.dtype == bool or not np.issubdtype(value.dtype, np.number):
-        raise ValueError(f"band must be an int (0 diag, 1 tridiag, b banded), got {band!r}.")
-    if value != np.round(value) or value < 0:
-        raise ValueError(f"band must be an int >= 0 (0 diag, 1 tridiag, b banded), got {band!r}.")
-    if value > MAX_BAND:
-        raise ValueError(
-            f"band must be at most {MAX_BAND}, got {band!r}: the banded solve is unrolled, and "
-            "its compile time grows at least as band^3."
-        )
-    return int(value)
-
-
-def usable_band(band: int, shape: tuple[int, ...], stack: int = 0) -> int:
-    """The band a tensor of ``shape`` (its first ``stack`` axes stacking tensors) can use.
-
-    A chain of ``n`` elements has ``n - 1`` off-diagonals: with ``band >= n - 1`` its graph is
-    complete and the LogDet solution is ``H^{-1}`` whatever the band, so wider bands would only
-    store zeros. A 0-d tensor is a chain of one element (band 0).
-
-    Args:
-      band: the band asked for.
-      shape: the tensor's shape.
-      stack: how many leading axes of ``shape`` stack tensors, each a chain of its own.
-
-    Returns:
-      ``min(band, n - 1)`` for chains of ``n >= 1`` elements, 0 for empty ones.
-    """
-    return min(band, max(math.prod(shape[stack:]) - 1, 0))
-
-
-def _as_dtype(dtype: Any) -> np.dtype:
-    """A dtype from a dtype-like, or from the array ``optax.inject_hyperparams`` makes of one (it
-    treats callables such as ``jnp.float32`` as schedules and calls them; the defaults are
-    strings, which it leaves alone)."""
-    return jnp.dtype(getattr(dtype, "dtype", dtype))
-
-
 def _as_arrays(tree: Any) -> Any:
     """``tree`` with every leaf an array (optax's transformations take Python numbers too)."""
     return jax.tree.map(jnp.asarray, tree)
@@ -223,45 +110,31 @@ def _check_shapes(updates: Any, moments: Any) -> None:
             )
 
 
-def _validate(hyper: Hyper, graft_lag: bool, mesh: Any, param_specs: Any) -> None:
-    """Raises ``ValueError`` naming the offending argument."""
-    if hyper.graft not in GRAFTS:
-        raise ValueError(f"graft must be one of {GRAFTS}, got {hyper.graft!r}.")
-    if hyper.damping not in DAMPINGS:
-        raise ValueError(f"damping must be one of {DAMPINGS}, got {hyper.damping!r}.")
-    if graft_lag and hyper.graft != "adam":
-        raise ValueError(f"graft_lag=True needs graft='adam', got graft={hyper.graft!r}.")
-    _check_fraction("b1", hyper.b1)
-    _check_fraction("b2", hyper.b2)
-    for name in ("eps", "gamma", "graft_eps"):
-        _check_nonnegative(name, getattr(hyper, name))
-    if (mesh is None) != (param_specs is None):
-        raise ValueError("mesh and param_specs must be given together (or both left None).")
-
-
 State = ScaleBySONewState | ScaleBySONewLagState | ScaleBySONewDampedState
+# The defaults of the entry points' arguments: the config's.
+_DEFAULT = SONewConfig()
 
 
 def scale_by_sonew(
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = DEFAULT_EPS,
-    band: int = 1,
-    gamma: float = DEFAULT_GAMMA,
-    graft: Graft = "adam",
-    graft_eps: float = 1e-8,
-    precondition_1d: bool = False,
-    stats_dtype: jax.typing.DTypeLike = "float32",
+    b1: Number = _DEFAULT.b1,
+    b2: Number = _DEFAULT.b2,
+    eps: Number = _DEFAULT.eps,
+    band: int = _DEFAULT.band,
+    gamma: Number = _DEFAULT.gamma,
+    graft: Graft = _DEFAULT.graft,
+    graft_eps: Number = _DEFAULT.graft_eps,
+    precondition_1d: bool = _DEFAULT.precondition_1d,
+    stats_dtype: jax.typing.DTypeLike = _DEFAULT.stats_dtype,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    offdiag_dtype: jax.typing.DTypeLike | None = None,
-    implementation: Implementation = "auto",
-    graft_lag: bool = DEFAULT_GRAFT_LAG,
-    kernel_config: KernelConfig | None = None,
-    damping: Damping = DEFAULT_DAMPING,
-    stacked_axes: Any = None,
-    stack_by_shape: bool = False,
+    mu_dtype: jax.typing.DTypeLike | None = _DEFAULT.mu_dtype,
+    offdiag_dtype: jax.typing.DTypeLike | None = _DEFAULT.offdiag_dtype,
+    implementation: Implementation = _DEFAULT.implementation,
+    graft_lag: bool = _DEFAULT.graft_lag,
+    kernel_config: KernelConfig | None = _DEFAULT.kernel_config,
+    damping: Damping = _DEFAULT.damping,
+    stacked_axes: Any = _DEFAULT.stacked_axes,
+    stack_by_shape: bool = _DEFAULT.stack_by_shape,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -323,10 +196,10 @@ def scale_by_sonew(
         which is then a :class:`ScaleBySONewLagState`) instead of step ``t``'s own, so the scale
         does not wait for the step's norms. The ratio starts at 0, so the first update is zero
         (one extra warm-up step: only the moments accumulate). Tensors that take Adam's direction
-        are unaffected. On the autoencoder benchmark 0.016 worse on average over 4 seeds (within
-        the seeds' spread); it is what lets the kernels apply the update (module docstring).
+        are unaffected. It is what lets the kernels apply the update (module docstring); its
+        cost in loss is measured in docs/performance.md.
       kernel_config: how the kernels tile and launch (``kernels.KernelConfig``); ``None``:
-        ``kernels.DEFAULT``, the fastest measured.
+        ``kernels.DEFAULT`` (its tuning: docs/performance.md).
       damping: how ``eps`` damps the diagonal: ``"mean"`` (default) adds ``eps`` times the mean
         of the tensor's bias-corrected diagonal ``d_hat``; ``"absolute"`` adds ``eps`` itself (its
         best value follows the gradients' squared scale, so it changes with the model); ``"max"``
@@ -347,7 +220,7 @@ def scale_by_sonew(
         stacked tensor is preconditioned as a parameter of its own (its chain, damping and graft
         ratio; the state keeps a number per stacked tensor), so a stacked model's update equals
         the unstacked one's, and its step is traced and fused once per stack, not once per
-        tensor: a stacked model compiles its update in a fraction of the time. The stacked axes
+        tensor (compile times: docs/performance.md). The stacked axes
         may not be sharded. On GPU a stack runs the kernels vectorized over its tensors.
       stack_by_shape: store the state of the parameters that share a shape, dtype, stacking and
         layout stacked, and step each such set as one stack (``stacked_axes``'s way), which makes
@@ -385,38 +258,36 @@ def scale_by_sonew(
     values (``m``, ``d`` at the entry, ``e`` on its ``2 band`` edges), so the tensor's later
     updates stay non-finite: the trainer stops, or skips such a step before the optimizer sees it
     (``train.non_finite``). Tensors with a 0-size dimension get an empty update.
+
+    References:
+      Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon, "A Computationally Efficient Sparsified
+      Online Newton Method", NeurIPS 2023: Algorithm 1 (the update; ``d`` and ``e`` are the
+      moving averages of ``H_t``'s nonzeros, eq. ``sparseupdate``); the LogDet subproblem (eq.
+      ``gensubprob``) and its closed forms ``X = L D L^T``: Theorem 1 (``band=1``, eq.
+      ``explsolntridiag``: ``L_{j+1,j} = -H_{j+1,j} / H_{j+1,j+1}`` and
+      ``1 / D_jj = H_jj - H_{j+1,j}^2 / H_{j+1,j+1}``), Theorem 2 (``band=b``, eq.
+      ``explsolnbanded``; Algorithm 2) and Algorithm 3, the numerically stable variant, which
+      cuts the chain where the Schur complement is ``<= gamma * H_jj``. The damping's scale:
+      Theorem 3 (regret bound). Grafting: Agarwal et al., "Disentangling Adaptive Gradient
+      Methods from Learning Rates" (2020).
     """
-    hyper = Hyper(b1, b2, eps, gamma, graft_eps, graft, precondition_1d, damping)
+    return _scale_by_sonew(SONewConfig.of(locals()), mesh, param_specs)
+
+
+def _scale_by_sonew(
+    config: SONewConfig, mesh: jax.sharding.Mesh | None, param_specs: Any
+) -> GradientTransformationWithApply:
+    """:func:`scale_by_sonew` of a checked ``config``, on ``mesh`` with ``param_specs``."""
     mesh, param_specs = sharding.as_specs(param_specs, mesh)
-    _validate(hyper, graft_lag, mesh, param_specs)
-    if not isinstance(stack_by_shape, bool):
-        raise ValueError(
-            f"stack_by_shape must be a bool, got {stack_by_shape!r}: it decides the state's "
-            "layout. Under optax.inject_hyperparams, keep it static: "
-            "static_args=('stack_by_shape',)."
-        )
-    if stack_by_shape:
-        entry = functools.partial(
-            scale_by_sonew, b1=b1, b2=b2, eps=eps, band=band, gamma=gamma, graft=graft,
-            graft_eps=graft_eps, precondition_1d=precondition_1d, stats_dtype=stats_dtype,
-            mesh=mesh, mu_dtype=mu_dtype, offdiag_dtype=offdiag_dtype,
-            implementation=implementation, graft_lag=graft_lag, kernel_config=kernel_config,
-            damping=damping,
-        )  # fmt: skip
-        return _stacked_by_shape(entry, stacked_axes, param_specs, stats_dtype)
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}."
-        )
-    static_band = _static_band(band)
-    kernel_config = pallas.DEFAULT if kernel_config is None else kernel_config
-    relative = damping != "absolute"
-    stats_dtype = _as_dtype(stats_dtype)
-    mu_dtype = stats_dtype if mu_dtype is None else _as_dtype(mu_dtype)
-    offdiag_dtype = stats_dtype if offdiag_dtype is None else _as_dtype(offdiag_dtype)
+    if (mesh is None) != (param_specs is None):
+        raise ValueError("mesh and param_specs must be given together (or both left None).")
+    if config.stack_by_shape:
+        return _stacked_by_shape(config, mesh, param_specs)
+    concrete_band = static_band(config.band)
+    mu_dtype, stats_dtype, offdiag_dtype = config.dtypes
 
     def init_fn(params: optax.Params) -> State:
-        if static_band is None:
+        if concrete_band is None:
             raise ValueError(
                 "band must be a concrete int when the state is initialised: it decides the "
                 "state's shapes. Under optax.inject_hyperparams, keep it static: "
@@ -428,11 +299,11 @@ def scale_by_sonew(
         # parameters), or by mesh and param_specs; the scalars replicated on that mesh.
         placed, scalar = sharding.state_shardings(params, mesh, param_specs)
         where = jax.tree.unflatten(jax.tree.structure(params), placed)
-        stacks = sharding.stack_counts(stacked_axes, params)
+        stacks = sharding.stack_counts(config.stacked_axes, params)
 
         def off_diagonals(p: jax.Array, at: Any, stack: int) -> Any:
-            band = usable_band(static_band, jnp.shape(p), stack)
-            if band == 0 or not preconditioned(jnp.ndim(p) - stack, precondition_1d):
+            band = usable_band(concrete_band, jnp.shape(p), stack)
+            if band == 0 or not preconditioned(jnp.ndim(p) - stack, config.precondition_1d):
                 return optax.MaskedNode()
             return sharding.zeros_beside(p, offdiag_dtype, at, band=band)
 
@@ -450,30 +321,30 @@ def scale_by_sonew(
             ChainLayout.unsharded(jnp.shape(p), k)
             for p, k in zip(jax.tree.leaves(params), jax.tree.leaves(stacks), strict=True)
         ]
-        count = slot_count(layouts, precondition_1d)
-        ratio = sharding.zeros((count,), stats_dtype, scalar) if graft_lag else None
-        if relative:
+        count = slot_count(layouts, config.precondition_1d)
+        ratio = sharding.zeros((count,), stats_dtype, scalar) if config.graft_lag else None
+        if config.relative:
             return ScaleBySONewDampedState(
                 *state, ratio, sharding.zeros((count,), stats_dtype, scalar)
             )
-        return ScaleBySONewLagState(*state, ratio) if graft_lag else state
+        return ScaleBySONewLagState(*state, ratio) if config.graft_lag else state
 
     def advance(updates, state, apply: ApplyArgs | None):
         _check_real_floats(updates, "gradients")
         _check_shapes(updates, state.m)
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
-        corrections = (1 - jnp.asarray(b1, stats_dtype) ** t, 1 - jnp.asarray(b2, stats_dtype) ** t)
-        step = make_step(hyper, mesh, param_specs, implementation, kernel_config, stacked_axes)
+        corrections = tuple(1 - jnp.asarray(b, stats_dtype) ** t for b in (config.b1, config.b2))
+        step = make_step(config, mesh, param_specs)
         # Not lagged: no ratios, so every tensor grafts with its own step's ratio.
-        ratio = state.ratio if graft_lag else None
-        diag = state.diag if relative else None
+        ratio = state.ratio if config.graft_lag else None
+        diag = state.diag if config.relative else None
         out, m, d, e, ratio, diag = step(
             updates, state.m, state.d, state.e, ratio, diag, corrections, apply
         )
-        if relative:
+        if config.relative:
             return out, ScaleBySONewDampedState(count, m, d, e, ratio, diag)
-        if graft_lag:
+        if config.graft_lag:
             return out, ScaleBySONewLagState(count, m, d, e, ratio)
         return out, ScaleBySONewState(count, m, d, e)
 
@@ -505,19 +376,20 @@ def scale_by_sonew(
 
 
 def _stacked_by_shape(
-    entry: Callable[..., GradientTransformationWithApply],
-    stacked_axes: Any,
-    param_specs: Any,
-    stats_dtype: Any,
+    config: SONewConfig, mesh: jax.sharding.Mesh | None, param_specs: Any
 ) -> GradientTransformationWithApply:
-    """``scale_by_sonew(stack_by_shape=True)``: ``entry`` (``scale_by_sonew`` with every other
-    argument bound) over the parameters packed by their :class:`grouping.Grouping`, found from
-    the parameters at ``init`` and kept in the state. ``apply`` adds the update to the unpacked
-    parameters as the engine does where no kernel writes them (``pointwise.apply_update``, its
-    numbers in ``stats_dtype``): packing the parameters for the kernels would copy them twice."""
+    """``scale_by_sonew(stack_by_shape=True)``: ``config``'s transformation over the parameters
+    packed by their :class:`grouping.Grouping`, found from the parameters at ``init`` and kept in
+    the state. ``apply`` adds the update to the unpacked parameters as the engine does where no
+    kernel writes them (``pointwise.apply_update``, its numbers in ``stats_dtype``): packing the
+    parameters for the kernels would copy them twice."""
+    stacked_axes = config.stacked_axes
 
     def over(grouping: grouping_lib.Grouping) -> GradientTransformationWithApply:
-        return entry(stacked_axes=list(grouping.stacks), param_specs=grouping.specs(param_specs))
+        packed = dataclasses.replace(
+            config, stacked_axes=list(grouping.stacks), stack_by_shape=False
+        )
+        return _scale_by_sonew(packed, mesh, grouping.specs(param_specs))
 
     def init_fn(params: optax.Params) -> StackedByShapeState:
         params = _as_arrays(params)
@@ -537,9 +409,7 @@ def _stacked_by_shape(
         del extra
         params = _as_arrays(params)
         direction, state = update_fn(updates, state)
-        scale, weight_decay = (
-            jnp.asarray(x, _as_dtype(stats_dtype)) for x in (scale, weight_decay)
-        )
+        scale, weight_decay = (jnp.asarray(x, config.dtypes[1]) for x in (scale, weight_decay))
 
         def add(p, u, decayed):
             decay = weight_decay if decayed else 0.0
@@ -553,27 +423,27 @@ def _stacked_by_shape(
 def sonew(
     learning_rate: optax.ScalarOrSchedule,
     *,
-    b1: float = 0.9,
-    b2: float = 0.95,
-    eps: float = DEFAULT_EPS,
-    band: int = 1,
-    gamma: float = DEFAULT_GAMMA,
-    graft: Graft = "adam",
-    graft_eps: float = 1e-8,
+    b1: Number = _DEFAULT.b1,
+    b2: Number = _DEFAULT.b2,
+    eps: Number = _DEFAULT.eps,
+    band: int = _DEFAULT.band,
+    gamma: Number = _DEFAULT.gamma,
+    graft: Graft = _DEFAULT.graft,
+    graft_eps: Number = _DEFAULT.graft_eps,
     weight_decay: float = 0.0,
     mask: Any = None,
-    precondition_1d: bool = False,
-    stats_dtype: jax.typing.DTypeLike = "float32",
+    precondition_1d: bool = _DEFAULT.precondition_1d,
+    stats_dtype: jax.typing.DTypeLike = _DEFAULT.stats_dtype,
     mesh: jax.sharding.Mesh | None = None,
     param_specs: Any = None,
-    mu_dtype: jax.typing.DTypeLike | None = None,
-    offdiag_dtype: jax.typing.DTypeLike | None = None,
-    implementation: Implementation = "auto",
-    graft_lag: bool = DEFAULT_GRAFT_LAG,
-    kernel_config: KernelConfig | None = None,
-    damping: Damping = DEFAULT_DAMPING,
-    stacked_axes: Any = None,
-    stack_by_shape: bool = False,
+    mu_dtype: jax.typing.DTypeLike | None = _DEFAULT.mu_dtype,
+    offdiag_dtype: jax.typing.DTypeLike | None = _DEFAULT.offdiag_dtype,
+    implementation: Implementation = _DEFAULT.implementation,
+    graft_lag: bool = _DEFAULT.graft_lag,
+    kernel_config: KernelConfig | None = _DEFAULT.kernel_config,
+    damping: Damping = _DEFAULT.damping,
+    stacked_axes: Any = _DEFAULT.stacked_axes,
+    stack_by_shape: bool = _DEFAULT.stack_by_shape,
 ) -> GradientTransformationWithApply:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -633,8 +503,13 @@ def sonew(
       A ``GradientTransformationWithApply``.
 
     References:
-      Devvrit et al., "A Computationally Efficient Sparsified Online Newton Method", NeurIPS
-      2023: Algorithm 1 with Theorems 1 and 2 (the LogDet solutions) and Algorithm 3.
+      Devvrit, Duvvuri, Anil, Gupta, Hsieh, Dhillon, "A Computationally Efficient Sparsified
+      Online Newton Method", NeurIPS 2023: Algorithm 1 (SONew) with the statistics
+      ``H_t = H_{t-1} + P_G(g_t g_t^T)`` (eq. ``sparseupdate``; moving averages here), and the
+      LogDet subproblem ``X_t = argmin -log det X + Tr(X H_t)`` over the band's sparsity (eq.
+      ``gensubprob``), solved in closed form by Theorem 1 (tridiagonal, eq. ``explsolntridiag``)
+      and Theorem 2 (banded, eq. ``explsolnbanded``; Algorithm 2), made numerically stable by
+      Algorithm 3 (``gamma``). Decoupled weight decay as ``optax.adamw``.
 
     Example::
 
@@ -645,29 +520,10 @@ def sonew(
         # or, the parameters written by the update's kernels (with graft_lag=True):
         params, opt_state = sonew_pax.optim.apply_gradients(tx, grads, opt_state, params)
     """
-    _check_nonnegative("weight_decay", weight_decay)
-    learning_rate = _checked_learning_rate(learning_rate)
-    precondition = scale_by_sonew(
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        band=band,
-        gamma=gamma,
-        graft=graft,
-        graft_eps=graft_eps,
-        precondition_1d=precondition_1d,
-        stats_dtype=stats_dtype,
-        mesh=mesh,
-        param_specs=param_specs,
-        mu_dtype=mu_dtype,
-        offdiag_dtype=offdiag_dtype,
-        implementation=implementation,
-        graft_lag=graft_lag,
-        damping=damping,
-        kernel_config=kernel_config,
-        stacked_axes=stacked_axes,
-        stack_by_shape=stack_by_shape,
-    )
+    check_nonnegative("weight_decay", weight_decay)
+    learning_rate = checked_learning_rate(learning_rate)
+    config = SONewConfig.of(locals())
+    precondition = _scale_by_sonew(config, mesh, param_specs)
     decayed = optax.add_decayed_weights(weight_decay, mask)
     rate = optax.scale_by_learning_rate(learning_rate)
     tx = optax.chain(precondition, decayed, rate)
@@ -676,7 +532,7 @@ def sonew(
         del extra_args
         sonew_state, decay_state, rate_state = state
         # -lr of this step, and the schedule's next state: the rate's update of the scalar 1.
-        scale, rate_state = rate.update(jnp.ones([], _as_dtype(stats_dtype)), rate_state)
+        scale, rate_state = rate.update(jnp.ones([], config.dtypes[1]), rate_state)
         params, sonew_state = precondition.apply(
             updates, sonew_state, params, scale=scale, weight_decay=weight_decay, mask=mask
         )

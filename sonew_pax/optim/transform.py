@@ -58,8 +58,23 @@ def apply_gradients(
     params: optax.Params,
     **extra_args: Any,
 ) -> tuple[optax.Params, optax.OptState]:
-    """One optimizer step: ``(new params, new state)``, through ``tx.apply`` when ``tx`` has it
-    (:class:`GradientTransformationWithApply`), else ``tx.update`` and ``optax.apply_updates``."""
+    """One optimizer step, through ``tx.apply`` when ``tx`` has it, else ``tx.update`` and
+    ``optax.apply_updates``.
+
+    Args:
+      tx: an optax transformation, a :class:`GradientTransformationWithApply` or not.
+      grads: the gradients, a tree of the parameters' structure.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+      **extra_args: passed on to ``tx.apply`` or ``tx.update`` (optax's extra arguments).
+
+    Returns:
+      ``(new params, new state)``: those of ``update`` then ``optax.apply_updates``, to float
+      rounding.
+
+    References:
+      optax's ``GradientTransformation.update`` and ``optax.apply_updates``.
+    """
     if isinstance(tx, GradientTransformationWithApply):
         return tx.apply(grads, opt_state, params, **extra_args)
     updates, opt_state = optax.with_extra_args_support(tx).update(
@@ -69,9 +84,21 @@ def apply_gradients(
 
 
 def chain(*transforms: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """``optax.chain(*transforms)``; when the last one has ``apply``, so does the chain: the
-    leading transformations update, the last one applies (e.g. gradient clipping in front of
-    :func:`sonew_pax.optim.sonew`)."""
+    """``optax.chain(*transforms)``; when the last one has ``apply``, so does the chain.
+
+    The leading transformations update, the last one applies (e.g. gradient clipping in front of
+    :func:`sonew_pax.optim.sonew`).
+
+    Args:
+      *transforms: optax transformations, applied in order.
+
+    Returns:
+      ``optax.chain(*transforms)``, as a :class:`GradientTransformationWithApply` whose ``apply``
+      is the last transformation's after the others' ``update`` when the last one has ``apply``.
+
+    References:
+      ``optax.chain``.
+    """
     chained = optax.chain(*transforms)
     if not transforms or not isinstance(transforms[-1], GradientTransformationWithApply):
         return chained

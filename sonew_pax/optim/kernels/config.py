@@ -13,8 +13,8 @@ class KernelConfig:
 
     Hashable and immutable: it is part of the static configuration of every compiled kernel, so
     two configurations never share a cached launch. Build one to tune (benchmarks) or to force a
-    code path (tests); ``sonew(..., kernel_config=...)`` passes it through, and the default is
-    what ``benchmarks/`` measured fastest on H100 and H200 GPUs.
+    code path (tests); ``sonew(..., kernel_config=...)`` passes it through. The default's tuning
+    is in docs/performance.md.
 
     A tile is ``(rows, cols, num_warps)``: a program handles ``rows x cols`` of a tensor's 2-D
     view (axis 0 by the rest) on ``num_warps`` warps; rows and columns are powers of 2.

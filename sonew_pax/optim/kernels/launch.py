@@ -14,6 +14,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import pointwise
 from sonew_pax.optim.chain import ChainLayout, run
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.kernels import banded, diagonal, scan
 from sonew_pax.optim.kernels.config import DEFAULT, KernelConfig
 from sonew_pax.optim.kernels.geometry import default_tile, scan_stack, tile_view
@@ -36,7 +37,7 @@ def leaf_update(
     d: jax.Array,
     e: Any,
     corrections: tuple[jax.Array, jax.Array],
-    hyper: pointwise.Hyper,
+    hyper: SONewConfig,
     *,
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,
@@ -83,7 +84,7 @@ def group_update(
     ds: list[jax.Array],
     es: list[Any],
     corrections: tuple[jax.Array, jax.Array],
-    hyper: pointwise.Hyper,
+    hyper: SONewConfig,
     *,
     interpret: bool = False,
     tile: tuple[int, int, int] | None = None,

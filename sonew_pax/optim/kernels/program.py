@@ -10,9 +10,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from sonew_pax.optim import fma, pointwise
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.fma import madd
 
-# The numbers every tensor of an update shares (``pointwise.Hyper``'s, the bias corrections and
+# The numbers every tensor of an update shares (``SONewConfig``'s, the bias corrections and
 # :class:`Apply`'s), packed into one input array (padded to a power of 2, as Triton's blocks must
 # be) by :func:`pack_scalars`: every launch of an update passes the same array. A relative
 # damping's statistics are an input of their own, with the tensor's slot (``StepRefs.diag``).
@@ -66,9 +67,7 @@ class StepRefs(NamedTuple):
         return cls(diag, slot, p, ratio, ratio_slot, *refs)
 
 
-def pack_scalars(
-    hyper: pointwise.Hyper, corrections: tuple, apply: Apply | None, dtype
-) -> jax.Array:
+def pack_scalars(hyper: SONewConfig, corrections: tuple, apply: Apply | None, dtype) -> jax.Array:
     """The kernels' scalar input: :data:`SHARED` (``Apply``'s zero without ``apply``)."""
     values = {name: getattr(hyper, name) for name in ("b1", "b2", "eps", "gamma", "graft_eps")}
     values.update(bc1=corrections[0], bc2=corrections[1], weight_decay=0, scale=0)
@@ -79,8 +78,8 @@ def pack_scalars(
     return jnp.stack([jnp.asarray(x, dtype) for x in numbers])
 
 
-def numbers(scalars_ref, graft: str, diag_ref=None, slot_ref=None) -> tuple[pointwise.Hyper, tuple]:
-    """``pointwise.Hyper`` and the bias corrections from the kernels' scalar input
+def numbers(scalars_ref, graft: str, diag_ref=None, slot_ref=None) -> tuple[SONewConfig, tuple]:
+    """``SONewConfig`` and the bias corrections from the kernels' scalar input
     (:func:`pack_scalars`); with a relative damping's statistics (``diag_ref``) its ``eps`` is
     ``pointwise.relative_eps`` of the tensor's (at ``slot_ref[0]``)."""
     values = {name: scalars_ref[k] for k, name in enumerate(SHARED)}
@@ -89,7 +88,7 @@ def numbers(scalars_ref, graft: str, diag_ref=None, slot_ref=None) -> tuple[poin
         # A read at one place: the array is as long as the preconditioned tensors are many (a
         # whole-array read would need a power-of-2 length, as the scalars above are padded to).
         eps = pointwise.relative_eps(eps, plgpu.load(diag_ref.at[slot_ref[0]]))
-    hyper = pointwise.Hyper(
+    hyper = SONewConfig(
         b1=values["b1"],
         b2=values["b2"],
         eps=eps,
@@ -97,6 +96,7 @@ def numbers(scalars_ref, graft: str, diag_ref=None, slot_ref=None) -> tuple[poin
         graft_eps=values["graft_eps"],
         graft=graft,
         precondition_1d=True,
+        damping="absolute",  # eps is this tensor's already
     )
     return hyper, (values["bc1"], values["bc2"])
 

@@ -12,8 +12,8 @@ the block's norm pairs: they read ``g, m, d, e`` and write ``m, d, e, u`` once.
   moments. Inside a block they are the block's own, shifted; at a block's first and last rows
   they come from ``prev`` and ``next`` (``_neighbour_rows``), built before the kernel from the
   old state: the rows just outside each block and, beyond the view, the tensor's ``edges``
-  (``engine._edges``: the previous column's last row, or a neighbouring shard's), their moments
-  updated by XLA (a few rows per block).
+  (``neighbours.exchanged_edges``: the previous column's last row, or a neighbouring shard's), their
+  moments updated by XLA (a few rows per block).
 * Bands ``b >= 2`` (:func:`_banded_kernel`): each block is extended by :func:`banded_halo` rows
   of the old state on each side, the whole-tensor step (``solve``) runs on the extended block,
   and the block keeps its own rows, as the XLA path does for a shard
@@ -36,10 +36,11 @@ from jax.experimental.pallas import tpu as pltpu
 
 from sonew_pax.optim import pointwise, solve
 from sonew_pax.optim.chain import halo_width
+from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.kernels.config import KernelConfig
 from sonew_pax.optim.kernels.geometry import tile_view
 from sonew_pax.optim.kernels.program import Apply, scale_floor
-from sonew_pax.optim.pointwise import Hyper, Raw
+from sonew_pax.optim.pointwise import Raw
 
 # Sublanes of a TPU tile for 16-bit dtypes (32-bit ones take 8): a block's rows are a multiple.
 _SUBLANES = 16
@@ -91,7 +92,7 @@ def _neighbour_rows(
     pre: jax.Array,
     post: jax.Array,
     rows: int,
-    hyper: Hyper,
+    hyper: SONewConfig,
 ) -> tuple[jax.Array, jax.Array]:
     """``(prev, next)``, each ``(blocks, 4, cols)`` in the arithmetic's dtype: per block of
     ``rows`` rows of the view, the chain neighbours of its first and last rows as ``g``, the new
@@ -125,7 +126,7 @@ def update(
     pre: jax.Array,
     post: jax.Array,
     corrections,
-    hyper: Hyper,
+    hyper: SONewConfig,
     block: tuple[int, int],
     *,
     interpret: bool,
@@ -144,7 +145,7 @@ def update(
     Args:
       g, m, d, e: the gradient and the old state as stored (``e`` of shape ``(b, *shape)``);
         ``m``, ``d`` and ``e`` are updated in place.
-      pre, post: the tensor's edges (``engine._edge_rows``): the old ``g``, ``m``, ``d``, ``e``
+      pre, post: the tensor's edges (``neighbours.edge_rows``): the old ``g``, ``m``, ``d``, ``e``
         at the chain positions before the view's first and after its last row
         (``chain.halo_width`` of them).
       corrections: ``(1 - b1^t, 1 - b2^t)``.
@@ -228,7 +229,7 @@ def banded_halo(band: int) -> int:
 
 
 def _step_call(
-    kernel, views, prev, after, corrections, hyper: Hyper, block, *, shape, interpret, apply,
+    kernel, views, prev, after, corrections, hyper: SONewConfig, block, *, shape, interpret, apply,
     **static,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:  # fmt: skip
     """One launch of a step ``kernel`` over the blocks of a tensor's view: ``views`` are ``g, m,
@@ -304,7 +305,7 @@ def _halo_rows(views, pre, post, rows: int, halo: int, dtype) -> tuple[jax.Array
     )
 
 
-def _scalars(hyper: Hyper, corrections, apply: Apply | None, dtype) -> jax.Array:
+def _scalars(hyper: SONewConfig, corrections, apply: Apply | None, dtype) -> jax.Array:
     """A launch's scalars (SMEM): b1, b2, eps, gamma, graft_eps, the bias corrections, and with
     the fused ``apply`` the tensor's graft ratio, weight decay (0 where not decayed) and scale."""
     numbers = [hyper.b1, hyper.b2, hyper.eps, hyper.gamma, hyper.graft_eps, *corrections]
@@ -316,11 +317,15 @@ def _scalars(hyper: Hyper, corrections, apply: Apply | None, dtype) -> jax.Array
     return jnp.stack([jnp.asarray(x, dtype).reshape(()) for x in numbers])
 
 
-def _hyper(scalars_ref, flags) -> tuple[Hyper, tuple]:
-    """The step's :class:`Hyper` and bias corrections from a launch's scalars."""
+def _hyper(scalars_ref, flags) -> tuple[SONewConfig, tuple]:
+    """The step's :class:`SONewConfig` and bias corrections from a launch's scalars."""
     s = [scalars_ref[k] for k in range(_SCALARS)]
     graft, precondition_1d, damping = flags
-    return Hyper(s[0], s[1], s[2], s[3], s[4], graft, precondition_1d, damping), (s[5], s[6])
+    hyper = SONewConfig(
+        b1=s[0], b2=s[1], eps=s[2], gamma=s[3], graft_eps=s[4], graft=graft,
+        precondition_1d=precondition_1d, damping=damping,
+    )  # fmt: skip
+    return hyper, (s[5], s[6])
 
 
 def _write_pairs(parts_ref, normed: list[jax.Array]) -> None:
