@@ -262,6 +262,13 @@ def _listed(list_checkpoints: Callable[[], T]) -> T:
     return list_checkpoints()
 
 
+def _step_of(path: epath.Path) -> int | None:
+    """The step of a ``checkpoint_<step>`` directory, also under a suffix (``.partial``,
+    orbax's temporary marker); None for other names."""
+    step = path.name.removeprefix(f"{STEP_PREFIX}_").split(".")[0]
+    return int(step) if step.isdigit() else None
+
+
 def _first_line(error: Exception) -> str:
     """``TypeName: first line of the message`` (orbax's errors can run to many lines)."""
     lines = str(error).splitlines()
@@ -305,7 +312,7 @@ class Checkpoints:
         self._backoff_s = backoff_s
         self._pending: int | None = None  # the step whose background write has not been checked
         self._failure: Exception | None = None  # why the last checked write failed
-        self._failed_steps: set[int] = set()  # failed saves whose directories are not all gone
+        self._failed_steps: set[int] = set()  # steps whose saves failed, for `_remove_failed`
         # Object stores have no atomic rename: a commit file marks complete saves (orbax's own
         # default for gs://; set explicitly so s3:// and az:// get it too). Local: orbax's default.
         cloud_options = (
@@ -382,6 +389,7 @@ class Checkpoints:
                     step, delay, attempt, self._retries,
                 )  # fmt: skip
                 time.sleep(delay)
+                self._remove_failed()
             error = self._write(step, items, wait=wait or retrying or attempt > 0)
             if error is None:
                 return True
@@ -472,40 +480,28 @@ class Checkpoints:
     def _reclaim_failed(self, step: int) -> None:
         """Notes that the save of ``step`` failed and removes what it left (`_remove_failed`)."""
         self._failed_steps.add(step)
-        self._await_stray_writes()
         self._remove_failed()
         self._reload()
-
-    def _await_stray_writes(self) -> None:
-        """Waits for the writes of a failed save that orbax stopped waiting for: it awaits a
-        save's commit futures in order and raises at the first that fails, while the others
-        still write into the save's directory. Reaches into orbax's async checkpointer; where
-        that has no such futures, `_remove_failed` retries later instead."""
-        checkpointer = getattr(self._manager, "_checkpointer", None)
-        writes = getattr(getattr(checkpointer, "_async_manager", None), "_commit_futures", None)
-        for write in writes or ():
-            with contextlib.suppress(Exception):  # its error is the save's, already reported
-                write.result()
 
     def _remove_failed(self) -> None:
         """Removes the unfinished directories of failed saves (process 0; none is pending).
 
-        Writes of a failed save that are still in flight may refill a directory being removed:
-        it is then tried again after the next save and at `close`, once they have ended.
+        Orbax stops waiting for a save at its first failed write while others may still write
+        into its directory (and recreate it): so this runs again after each retry's wait, after
+        each complete save and at `close`, and a directory still being written is left for the
+        next time (or, after a restart, set aside as ``.partial`` and removed once its step is
+        saved).
         """
         if jax.process_index() != 0:
             return
-        for step in sorted(self._failed_steps):
-            name = f"{STEP_PREFIX}_{step}"
-            left = [p for p in unfinished_saves(self.model_dir) if p.name.split(".")[0] == name]
-            try:
-                for path in left:
+        for path in unfinished_saves(self.model_dir):
+            if _step_of(path) in self._failed_steps:
+                try:
                     path.rmtree()
-                    logging.warning("Removed %s, left by the failed save.", path)
-            except OSError as error:
-                logging.info("Removing the failed save of step %d later: %s", step, error)
-                continue
-            self._failed_steps.discard(step)
+                except OSError as error:
+                    logging.info("Removing %s later: %s", path, error)
+                    continue
+                logging.warning("Removed %s, left by the failed save.", path)
 
     def _remove_partials(self, up_to: int) -> None:
         """Removes the ``.partial`` directories (saves that never finished, set aside at
@@ -513,8 +509,8 @@ class Checkpoints:
         if jax.process_index() != 0:
             return
         for path in self.model_dir.glob(f"{STEP_PREFIX}_*{PARTIAL_SUFFIX}*"):
-            step = path.name.removeprefix(f"{STEP_PREFIX}_").split(PARTIAL_SUFFIX)[0]
-            if step.isdigit() and int(step) <= up_to:
+            step = _step_of(path)
+            if step is not None and step <= up_to:
                 try:
                     path.rmtree()
                 except OSError as error:  # tried again after the next save

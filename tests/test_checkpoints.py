@@ -300,7 +300,13 @@ def test_save_that_keeps_failing_stops_and_leaves_the_previous_checkpoint(
     assert "ENOSPC" in str(error.value) or "No space left" in str(error.value)
     ckpts.close()
     assert checkpoints.Checkpoints(tmp_path).steps() == [4]
-    assert leftovers(tmp_path) == []  # no partial save of any attempt; the old one reclaimed
+    failing_saves(lambda step: False)  # the disk has room again: a rerun
+    rerun = checkpoints.Checkpoints(tmp_path, keep=1)
+    assert rerun.restore_latest(_target(mesh_2x4)).data == {"step": 4}
+    assert rerun.save(_state(8, mesh_2x4), {"step": 8}, wait=True)
+    rerun.close()
+    assert checkpoints.Checkpoints(tmp_path).steps() == [8]
+    assert leftovers(tmp_path) == []  # no partial save of any attempt is left
 
 
 def test_reader_falls_back_when_the_trainer_deletes_what_it_reads(tmp_path, mesh_2x4, monkeypatch):

@@ -14,9 +14,11 @@ are shared through a persistent cache.
 import json
 import os
 import re
+import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -239,3 +241,45 @@ def test_ctrl_c_saves_like_sigterm(tmp_path, env):
     saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
     assert saved > PERIOD and f"Stopped at step {saved}, checkpoint saved" in stderr
     assert "Traceback" not in stderr
+
+
+def _file_size_limit(limit: int):
+    """``preexec_fn``: writes beyond ``limit`` bytes fail (EFBIG) instead of killing the process."""
+
+    def limit_writes():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    return limit_writes
+
+
+def test_second_ctrl_c_stops_at_once_with_its_own_status(tmp_path, env):
+    """A run whose saves fail (a 20 kB file-size limit) waits between retries; a second Ctrl-C
+    then stops it at once."""
+    process = subprocess.Popen(
+        command(tmp_path / "run", 10**6, "--gin.train.save_retry_backoff_s=600"),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_file_size_limit(20_000),
+    )  # fmt: skip
+    lines = []  # its stderr, read as it comes (a pipe: the file-size limit does not apply)
+    reader = threading.Thread(target=lambda: lines.extend(process.stderr), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not any("Retrying the save" in line for line in lines):
+            assert process.poll() is None, "".join(lines)[-3000:]
+            assert time.monotonic() < deadline, "no save was retried"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        process.send_signal(signal.SIGINT)
+        process.wait(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    reader.join(timeout=10)
+    text = "".join(lines)
+    assert process.returncode == train.EXIT_INTERRUPTED, text[-3000:]
+    assert "error: interrupted; the current step was not saved" in text
+    assert "KeyboardInterrupt" not in text  # no traceback of it
+    assert not (tmp_path / "run" / "run.lock").exists()

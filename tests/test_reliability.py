@@ -421,8 +421,11 @@ def test_save_that_keeps_failing_stops_the_run_and_keeps_the_last_checkpoint(
         loop.train(eval_data=None)
     assert "No space left on device" in str(error.value)
     assert checkpoints.Checkpoints(tmp_path).steps() == [3]
-    assert leftovers(tmp_path) == []
     assert not (tmp_path / run_lock.LOCK_FILE).exists()
+    failing_saves(lambda step: False)  # the disk has room again: the rerun resumes and ends
+    assert loop.train(eval_data=None).step == STEPS
+    assert checkpoints.Checkpoints(tmp_path).steps() == [STEPS]
+    assert leftovers(tmp_path) == []
 
 
 def test_second_ctrl_c_stops_at_once():
