@@ -35,40 +35,35 @@ Rules kept here:
   ``keep`` limit deletes an old checkpoint only once a newer one is complete. ``.partial``
   directories of steps up to a complete checkpoint are removed once it is written (their steps
   have been redone): failed attempts do not pile up.
-- Integrity: ``save`` computes, on device, each array's checksum (two wrapping uint32 sums of
-  its bit patterns, one weighted by position: independent of the mesh) and whether it is finite.
-  A state with a non-finite array is never saved (`NonFiniteStateError`), so the ``keep`` limit
-  never rotates a finite checkpoint out for a non-finite one. At restore the checksums are
-  computed again on the restored arrays: a mismatch (bytes changed on disk after the save) or a
-  non-finite array makes the checkpoint corrupt, handled as above.
+- Integrity: ``save`` records each array's checksum and finiteness (`integrity.fingerprint`,
+  computed on device, independent of the mesh). A state with a non-finite array is never saved
+  (`NonFiniteStateError`), so the ``keep`` limit never rotates a finite checkpoint out for a
+  non-finite one. At restore the checksums are computed again on the restored arrays: a mismatch
+  (bytes changed on disk after the save) or a non-finite array makes the checkpoint corrupt,
+  handled as above.
 - A checkpoint whose arrays differ in name or shape from the run's (another model or optimizer
   in the same MODEL_DIR) is a configuration error (`ConfigMismatchError`, listing the
   differences), found from orbax's metadata before any array is read; nothing is renamed.
-- SIGTERM (preemption) and SIGINT (Ctrl-C) set a flag; the training loop saves at its current
-  step and exits. A second SIGINT raises KeyboardInterrupt (stop without saving).
+- SIGTERM (preemption) and SIGINT (Ctrl-C) set a flag (`signals.StopSignal`); the training loop
+  saves at its current step and exits. A second SIGINT raises KeyboardInterrupt (stop without
+  saving). In multi-process runs `Checkpoints.reached_preemption` picks the step.
 - Readers of a run's parameters (sampling, export: `Checkpoints.restore_params`) only read: they
   check the same checksums, skip a checkpoint that fails and rename nothing.
 """
 
-import contextlib
 import json
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
-from jax import lax
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
-from sonew_pax import paths
+from sonew_pax import integrity, paths
 from sonew_pax.errors import RunError
 from sonew_pax.train_state import PyTree, TrainState
 
@@ -111,112 +106,6 @@ class Restored(NamedTuple):
     state: TrainState
     data: dict[str, Any]
     run: dict[str, Any]
-
-
-def leaf_name(path: tuple) -> str:
-    """``opt_state/0/m/dense/kernel``: a key path as orbax's metadata and the manifest name it
-    (NamedTuple fields, dict keys and sequence indices alike)."""
-    parts = []
-    for key in path:
-        for attribute in ("key", "name", "idx"):
-            if hasattr(key, attribute):
-                parts.append(str(getattr(key, attribute)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
-
-
-def _words(x: jax.Array) -> jax.Array:
-    """The bit patterns of ``x`` as uint32, one per element (64-bit types: both halves mixed)."""
-    if x.dtype == jnp.bool_:
-        return x.astype(jnp.uint32)
-    width = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
-    words = lax.bitcast_convert_type(x, width).astype(jnp.uint32)
-    if x.dtype.itemsize == 8:  # (..., 2) halves
-        words = words[..., 0] + jnp.uint32(0x9E3779B9) * words[..., 1]
-    return words
-
-
-def _position(shape: tuple[int, ...]) -> jax.Array:
-    """Each element's row-major index, modulo 2**32."""
-    index = jnp.zeros(shape, jnp.uint32)
-    stride = 1
-    for axis in reversed(range(len(shape))):
-        step = jnp.uint32(stride % 2**32)
-        index = index + lax.broadcasted_iota(jnp.uint32, shape, axis) * step
-        stride *= shape[axis]
-    return index
-
-
-def _fingerprint_leaves(leaves: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """``(checksums (n, 2) uint32, finite (n,) bool)`` of ``leaves``: the sum of each array's
-    words and their sum weighted by ``2 * position + 1``, wrapping (exact, so the result does not
-    depend on how the array is split); whether every element is finite."""
-    sums, finite = [], []
-    for x in leaves:
-        words = _words(x)
-        weights = 2 * _position(words.shape) + 1
-        sums.append(jnp.stack([jnp.sum(words, dtype=jnp.uint32),
-                               jnp.sum(words * weights, dtype=jnp.uint32)]))  # fmt: skip
-        floating = jnp.issubdtype(x.dtype, jnp.inexact)
-        finite.append(jnp.all(jnp.isfinite(x)) if floating else jnp.bool_(True))
-    if not leaves:
-        return jnp.zeros((0, 2), jnp.uint32), jnp.zeros((0,), jnp.bool_)
-    return jnp.stack(sums), jnp.stack(finite)
-
-
-def fingerprint(state: Any) -> dict[str, tuple[str, list[int], bool]]:
-    """``name -> (dtype, [checksum, weighted checksum], finite)`` for every array of ``state``,
-    computed on device in one program (`_fingerprint_leaves`); names as `leaf_name`."""
-    named = jax.tree_util.tree_leaves_with_path(state)
-    leaves = [leaf for _, leaf in named]
-    shardings = [getattr(leaf, "sharding", None) for leaf in leaves]
-    mesh = next((s.mesh for s in shardings if isinstance(s, NamedSharding)), None)
-    replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    sums, finite = jax.jit(_fingerprint_leaves, out_shardings=replicated)(leaves)
-    sums, finite = np.asarray(sums), np.asarray(finite)
-    return {
-        leaf_name(path): (str(leaf.dtype), [int(v) for v in sums[k]], bool(finite[k]))
-        for k, (path, leaf) in enumerate(named)
-    }
-
-
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
-    """``name -> shape`` of every array in ``tree`` (arrays, ShapeDtypeStructs, orbax metadata)."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    return {leaf_name(path): tuple(leaf.shape) for path, leaf in leaves}
-
-
-def describe_mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> list[str]:
-    """Lines naming every array whose presence or shape differs between a checkpoint (``saved``)
-    and the run (``wanted``); empty when they agree."""
-    lines = []
-    for name in sorted(saved.keys() | wanted.keys()):
-        if name not in wanted:
-            lines.append(f"{name}: {saved[name]} in the checkpoint, not in this run")
-        elif name not in saved:
-            lines.append(f"{name}: {wanted[name]} in this run, not in the checkpoint")
-        elif saved[name] != wanted[name]:
-            lines.append(f"{name}: {saved[name]} in the checkpoint, {wanted[name]} in this run")
-    return lines
-
-
-def _verify(state: Any, manifest: dict[str, Any]) -> None:
-    """Checks every array of ``state`` (a `TrainState` or a dict of some of its fields) against
-    the checksums a checkpoint's ``manifest`` recorded at the save ({} when it has none).
-
-    Raises:
-      ValueError: an array's checksum differs from the one saved, or an array is not finite.
-    """
-    saved = manifest.get("arrays", {})
-    for name, (dtype, checksum, finite) in fingerprint(state).items():
-        if not finite:
-            raise ValueError(f"array {name} holds NaN or inf")
-        record = saved.get(name)
-        # A dtype changed since the save (orbax casts at restore) has another checksum.
-        if record is not None and record["dtype"] == dtype and record["checksum"] != checksum:
-            raise ValueError(f"array {name} does not match its checksum: changed on disk")
 
 
 def checkpoint_dir(model_dir: str | os.PathLike, step: int) -> epath.Path:
@@ -405,7 +294,7 @@ class Checkpoints:
         Raises:
           NonFiniteStateError: an array of ``state`` holds NaN or infinity.
         """
-        prints = fingerprint(state)
+        prints = integrity.fingerprint(state)
         bad = [name for name, (_, _, finite) in prints.items() if not finite]
         if bad:
             raise NonFiniteStateError(
@@ -587,10 +476,10 @@ class Checkpoints:
         in name or shape from ``target``'s, a `TrainState` or a dict of some of its fields (then
         only those are compared). Unreadable metadata raises as corruption does."""
         path = checkpoint_dir(self.model_dir, step) / "state"
-        saved = _shapes(ocp.StandardCheckpointHandler().metadata(path))
+        saved = integrity.shapes(ocp.StandardCheckpointHandler().metadata(path))
         if isinstance(target, dict):
             saved = {name: shape for name, shape in saved.items() if name.split("/")[0] in target}
-        differences = describe_mismatch(saved, _shapes(target))
+        differences = integrity.describe_mismatch(saved, integrity.shapes(target))
         if differences:
             listed = "\n  ".join(differences[:MISMATCH_LINES])
             more = len(differences) - MISMATCH_LINES
@@ -614,7 +503,7 @@ class Checkpoints:
             items["manifest"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         state = TrainState(*restored.state)
-        _verify(state, restored.manifest if has_manifest else {})
+        integrity.verify(state, restored.manifest if has_manifest else {})
         run = restored.manifest.get("run", {}) if has_manifest else {}
         return Restored(state, restored.data, run)
 
@@ -672,7 +561,7 @@ class Checkpoints:
         if has_manifest:
             items["manifest"] = ocp.args.JsonRestore()
         restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-        _verify(restored.state, restored.manifest if has_manifest else {})
+        integrity.verify(restored.state, restored.manifest if has_manifest else {})
         return restored.state["params"]
 
     def _quarantine(self, steps: list[int]) -> None:
@@ -706,41 +595,3 @@ class Checkpoints:
             logging.warning(
                 "The failed save of step %d left files that could not be removed.", step
             )
-
-
-class StopSignal:
-    """Turns SIGTERM and SIGINT into a flag the training loop polls (single-process runs).
-
-    The loop then saves at its current step and stops. A second SIGINT (Ctrl-C twice) raises
-    KeyboardInterrupt: the run stops at once, saving nothing more. In multi-process runs JAX's
-    preemption service handles SIGTERM and the loop asks `Checkpoints.reached_preemption`, so
-    that every process stops at the same step; SIGINT keeps Python's default there.
-    """
-
-    def __init__(self):
-        self.received = False
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        del frame
-        if signum == signal.SIGINT and self.received:
-            raise KeyboardInterrupt("second SIGINT: stopped without saving")
-        name = signal.Signals(signum).name
-        logging.warning(
-            "Received %s: saving a checkpoint at the current step, then stopping%s.",
-            name,
-            " (Ctrl-C again stops at once, without saving)" if signum == signal.SIGINT else "",
-        )
-        self.received = True
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator["StopSignal"]:
-        """Handles SIGTERM and SIGINT while the block runs; restores the previous handlers."""
-        if jax.process_count() > 1:
-            yield self
-            return
-        previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
-        try:
-            yield self
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)

@@ -3,8 +3,10 @@
 `train` wires the parts together in the order of a T5X run: mesh and rules (`partitioning`), the
 `trainer.Trainer` (state layout and compiled steps), data, restore (`checkpoints`) or
 initialisation, then the loop: step, write metrics (`metrics`), evaluate every EVAL_PERIOD, save
-every CHECKPOINT_PERIOD, on SIGTERM or SIGINT, at the end, and at once after a save whose
-background write failed (`checkpoints.Checkpoints`). Compiled programs go to JAX's persistent
+every CHECKPOINT_PERIOD, on SIGTERM or SIGINT (`signals.StopSignal`), at the end, and at once
+after a save whose background write failed (`checkpoints.Checkpoints`). The checks that a resumed
+run continues its checkpoint as trained are in `resume`; the ``non_finite`` policy that stops a
+diverged run is `guard.NonFiniteGuard`. Compiled programs go to JAX's persistent
 compilation cache (default ``MODEL_DIR/compilation_cache``), so that a resumed run loads its train
 step instead of compiling it again. `configured_trainer` builds the `trainer.Trainer` that `train`
 would from the gin config alone, reading no data: `trainer.Trainer.export_train_step` then lowers
@@ -19,7 +21,6 @@ files bind ``train.*`` after a plain ``import sonew_pax.loop``.
 import contextlib
 import dataclasses
 import inspect
-import math
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -27,7 +28,6 @@ from typing import Any
 
 import gin
 import jax
-import numpy as np
 from absl import logging
 from etils import epath
 from jax.sharding import Mesh
@@ -38,17 +38,17 @@ from sonew_pax import (
     optimizers,
     partitioning,
     paths,
+    resume,
     run_lock,
+    signals,
     train_state,
 )
-from sonew_pax.errors import ConfigError, RunError
+from sonew_pax.errors import ConfigError
+from sonew_pax.guard import NON_FINITE_POLICIES, NonFiniteGuard
 from sonew_pax.models import Transformer, TransformerConfig, attention_choice, flops_per_token
-from sonew_pax.train_state import TrainState
 from sonew_pax.trainer import CacheHits, Trainer, persistent_compilation_cache
 
 COMPILATION_CACHE = "compilation_cache"
-CONFIG_FILE = "config.gin"
-CONFIG_HISTORY_FILE = "config-history.gin"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,276 +67,9 @@ def _write_text(path: epath.Path, text: str) -> None:
         paths.write_text_atomic(path, text)
 
 
-def record_config(model_dir: epath.Path, step: int, config: str) -> None:
-    """Writes a run segment's operative ``config`` to ``config.gin`` and, when it differs from
-    the last one recorded there, appends it to ``config-history.gin`` (never rewriting what
-    that holds), after a line naming ``step``, where the segment starts.
-
-    Args:
-      model_dir: the run directory.
-      step: the step the segment starts from.
-      config: the operative gin config.
-    """
-    history = model_dir / CONFIG_HISTORY_FILE
-    recorded = history.read_text() if history.exists() else ""
-    header = "# sonew_pax: the operative config of the run segment from step "
-    if recorded.rpartition(header)[2].partition("\n")[2] != config:
-        paths.write_text_atomic(history, f"{recorded}{header}{step}\n{config}")
-    paths.write_text_atomic(model_dir / CONFIG_FILE, config)
-
-
 def _due(step: int, period: int, last_step: int) -> bool:
     """Whether a ``period``-ic action falls on ``step`` (always on the last step)."""
     return step == last_step or (period > 0 and step % period == 0)
-
-
-def gin_bindings(config: str) -> dict[str, str]:
-    """``binding -> value`` of a gin config text (``config.gin``), continuation lines joined."""
-    bindings: dict[str, str] = {}
-    key = None
-    for line in config.splitlines():
-        if not line.strip() or line.startswith(("#", "import ", "from ")):
-            key = None
-        elif line[0].isspace() and key is not None:
-            bindings[key] += " " + line.strip()
-        elif " = " in line:
-            key, value = line.split(" = ", 1)
-            bindings[key] = value.strip().removesuffix("\\").strip()
-    return bindings
-
-
-def config_differences(saved: str, current: str, limit: int = 12) -> list[str]:
-    """Lines naming the bindings whose value differs between two gin configs (changed values
-    first, then bindings only one has), at most ``limit``; MODEL_DIR is left out."""
-    before, after = gin_bindings(saved), gin_bindings(current)
-    changed = [f"{k} = {before[k]} (checkpoints) / {after[k]} (this run)"
-               for k in sorted(before.keys() & after.keys())
-               if before[k] != after[k] and k != "MODEL_DIR"]  # fmt: skip
-    only = [f"{k} = {before[k]} (checkpoints only)" for k in sorted(before.keys() - after.keys())]
-    only += [f"{k} = {after[k]} (this run only)" for k in sorted(after.keys() - before.keys())]
-    return (changed + only)[:limit]
-
-
-# What a resumed run may continue differently from its checkpoint only when told to
-# (`train`'s ``allow_resume_changes``).
-RESUMABLE_CHANGES = ("learning_rate", "data_source", "tokenizer")
-# How many steps of the rest of the learning-rate schedule a checkpoint records.
-SCHEDULE_PROBES = 17
-
-
-def schedule_probes(schedule: optimizers.Schedule, step: int, train_steps: int) -> dict[str, float]:
-    """The learning rates ``schedule`` gives at `SCHEDULE_PROBES` steps spread evenly over
-    ``[step, train_steps]``: the rest of the run, as a checkpoint of ``step`` records it.
-
-    Returns:
-      ``{str(step): learning rate}`` (JSON keys).
-    """
-    steps = np.unique(np.linspace(step, train_steps, SCHEDULE_PROBES).round().astype(int))
-    return {str(s): float(schedule(int(s))) for s in steps}
-
-
-def schedule_departure(
-    saved: Mapping[str, float], schedule: optimizers.Schedule, train_steps: int
-) -> str | None:
-    """Where ``schedule`` departs from the learning rates a checkpoint recorded
-    (`schedule_probes`), up to ``train_steps``: a line naming the first such step, or None."""
-    for key in sorted(saved, key=int):
-        step = int(key)
-        if step > train_steps:
-            break
-        rate = float(schedule(step))
-        if not math.isclose(rate, saved[key], rel_tol=1e-5, abs_tol=1e-12):
-            return (
-                f"the learning rate at step {step} was {saved[key]:.6g} in the run that saved "
-                f"it, {rate:.6g} in this one"
-            )
-    return None
-
-
-def resume_changes(
-    restored: checkpoints.Restored,
-    data_state: Mapping[str, Any],
-    schedule: optimizers.Schedule,
-    train_steps: int,
-) -> dict[str, str]:
-    """How this run would continue differently from the checkpoint it resumes.
-
-    Args:
-      restored: the checkpoint.
-      data_state: this run's data state, whose ``source`` and ``tokenizer`` (when it names
-        them) are compared with the checkpoint's.
-      schedule: this run's learning-rate schedule, compared with the rates the checkpoint
-        recorded for the rest of its run.
-      train_steps: this run's TRAIN_STEPS.
-
-    Returns:
-      ``{name in RESUMABLE_CHANGES: what differs}``; what a checkpoint did not record (one
-      written before it did) is not compared.
-    """
-    changes = {}
-    for name, key in (("data_source", "source"), ("tokenizer", "tokenizer")):
-        before, after = restored.data.get(key), data_state.get(key)
-        if before is not None and after is not None and before != after:
-            changes[name] = f"{before} in the run that saved it, {after} in this one"
-    departure = schedule_departure(restored.run.get("learning_rate", {}), schedule, train_steps)
-    if departure is not None:
-        changes["learning_rate"] = departure
-    return changes
-
-
-def _mismatch(ckpts: checkpoints.Checkpoints, message: str) -> checkpoints.ConfigMismatchError:
-    """`checkpoints.ConfigMismatchError` of ``message`` followed by the settings that differ
-    from MODEL_DIR's ``config.gin`` (`config_differences`)."""
-    saved = ckpts.model_dir / CONFIG_FILE
-    lines = (
-        config_differences(saved.read_text(), gin.operative_config_str()) if saved.exists() else []
-    )
-    if lines:
-        message += f"\nSettings that differ from {saved}:\n  " + "\n  ".join(lines)
-    return checkpoints.ConfigMismatchError(message)
-
-
-def _restore_or_init(
-    step_fns: Trainer,
-    ckpts: checkpoints.Checkpoints,
-    batches: Any,
-    *,
-    seed: int,
-    schedule: optimizers.Schedule,
-    train_steps: int,
-    allowed_changes: Sequence[str],
-) -> tuple[TrainState, dict[str, Any]]:
-    """The newest restorable checkpoint (moving ``batches`` to its position) and the trainer's
-    counters saved with it, else a new state and ``{}``.
-
-    Args:
-      step_fns: the run's trainer.
-      ckpts: MODEL_DIR's checkpoints.
-      batches: the training data iterator.
-      seed: initialises a new state.
-      schedule: the run's learning-rate schedule (`resume_changes`).
-      train_steps: the run's TRAIN_STEPS.
-      allowed_changes: the `resume_changes` accepted (with a warning).
-
-    Raises:
-      checkpoints.ConfigMismatchError: the checkpoints hold other arrays, or this run would
-        continue them with another batch size, seed, or (unless allowed) learning-rate
-        schedule, data source or tokenizer; the message adds the settings that differ from the
-        run's ``config.gin``.
-    """
-    try:
-        restored = ckpts.restore_latest(step_fns.layout.abstract_with_shardings())
-    except checkpoints.ConfigMismatchError as error:
-        raise _mismatch(ckpts, str(error)) from None
-    if restored is None:
-        logging.info("Initialising a new run in %s", ckpts.model_dir)
-        return step_fns.init_state(seed), {}
-    path = checkpoints.checkpoint_dir(ckpts.model_dir, int(restored.state.step))
-    changes = resume_changes(restored, batches.get_state(), schedule, train_steps)
-    refused = {name: what for name, what in changes.items() if name not in allowed_changes}
-    if refused:
-        listed = "\n  ".join(f"{name}: {what}" for name, what in refused.items())
-        raise _mismatch(
-            ckpts,
-            f"config mismatch: this run would not continue {path} as it was trained:\n  "
-            f"{listed}\nRerun with the settings that wrote it (MODEL_DIR's config.gin), use a "
-            f"new MODEL_DIR, or continue on purpose with "
-            f"train.allow_resume_changes = {tuple(refused)!r}.",
-        )
-    for name, what in changes.items():
-        logging.warning("Continuing %s with another %s, as allowed: %s.", path, name, what)
-    try:
-        batches.set_state(restored.data)
-    except ValueError as error:
-        raise _mismatch(
-            ckpts,
-            f"config mismatch: this run's data pipeline cannot continue {path}: {error}. Rerun "
-            "with the BATCH_SIZE and SEED that wrote it, or use a new MODEL_DIR.",
-        ) from None
-    logging.info("Resumed %s from step %d", ckpts.model_dir, int(restored.state.step))
-    return restored.state, restored.run
-
-
-NON_FINITE_POLICIES = ("stop", "skip")
-
-
-class NonFiniteError(RunError):
-    """A step's loss, gradient norm or learning rate is not finite (or the rate is negative)."""
-
-
-class NonFiniteGuard:
-    """The host side of `train`'s ``non_finite`` policy.
-
-    `check` reads each step's metrics where the loop already brings them to the host (one step
-    behind the device, and before every save), so the guard adds no device work and no wait.
-    Under ``"stop"`` a non-finite loss or grad_norm ends the run; nothing is saved after it (the
-    loop checks a step's metrics before saving its state). Under ``"skip"`` the train step has
-    kept the state (`make_train_step`'s ``skip_non_finite``) and the guard counts the step, up to
-    ``max_skipped_steps`` in the whole run (the count is saved in checkpoints). A learning rate
-    that is not finite or negative ends the run under both.
-
-    Args:
-      policy: ``"stop"`` or ``"skip"``.
-      max_skipped_steps: ``"skip"``: the most steps skipped before the run stops.
-      skipped_steps: steps already skipped (from the checkpoint resumed).
-      newest_checkpoint: returns where the run can be resumed from, for the message.
-    """
-
-    def __init__(
-        self,
-        policy: str,
-        max_skipped_steps: int,
-        skipped_steps: int,
-        newest_checkpoint: Callable[[], str],
-    ):
-        self.policy = policy
-        self.max_skipped_steps = max_skipped_steps
-        self.skipped_steps = skipped_steps
-        self._newest_checkpoint = newest_checkpoint
-
-    def metrics(self) -> dict[str, float]:
-        """What the guard adds to each step's metrics: ``skipped_steps`` (the run's total) under
-        ``"skip"``."""
-        return {"skipped_steps": self.skipped_steps} if self.policy == "skip" else {}
-
-    def run_state(self) -> dict[str, int]:
-        """The counters a checkpoint keeps."""
-        return {"skipped_steps": self.skipped_steps}
-
-    def check(self, step: int, scalars: Mapping[str, float]) -> NonFiniteError | None:
-        """Counts a skipped step and returns the error that ends the run, if any (the caller
-        raises it after writing the step's metrics)."""
-        rate = scalars["learning_rate"]
-        if not (math.isfinite(rate) and rate >= 0):
-            return NonFiniteError(
-                f"step {step}: the learning rate is {rate}; it must be finite and >= 0 (check "
-                f"the schedule). {self._newest_checkpoint()}"
-            )
-        bad = [f"{name} {scalars[name]}" for name in ("loss", "grad_norm")
-               if not math.isfinite(scalars[name])]  # fmt: skip
-        if not bad:
-            return None
-        what = f"step {step}: non-finite {' and '.join(bad)}"
-        if self.policy == "stop":
-            return NonFiniteError(
-                f"{what}. The run stopped; nothing after the last finite checkpoint was saved. "
-                f"{self._newest_checkpoint()} Lower the learning rate (or raise warmup, clip "
-                f"harder), or set train.non_finite = 'skip' to skip such steps."
-            )
-        self.skipped_steps += 1
-        if self.skipped_steps > self.max_skipped_steps:
-            return NonFiniteError(
-                f"{what}: {self.skipped_steps} steps skipped, more than "
-                f"train.max_skipped_steps = {self.max_skipped_steps}. The run stopped. "
-                f"{self._newest_checkpoint()}"
-            )
-        logging.warning(
-            "%s: step skipped (parameters and optimizer state kept; %d of at most %d).",
-            what,
-            self.skipped_steps,
-            self.max_skipped_steps,
-        )
-        return None
 
 
 def check_settings(**settings: Any) -> None:
@@ -368,10 +101,11 @@ def check_settings(**settings: Any) -> None:
         len(window) != 2 or not all(isinstance(n, int) and n >= 1 for n in window)
     ):
         raise ConfigError(f"train.profile_steps must be (START, COUNT), both >= 1; got {window!r}.")
-    unknown = set(settings["allow_resume_changes"]) - set(RESUMABLE_CHANGES)
+    resumable = resume.RESUMABLE_CHANGES
+    unknown = set(settings["allow_resume_changes"]) - set(resumable)
     if isinstance(settings["allow_resume_changes"], str) or unknown:
         raise ConfigError(
-            f"train.allow_resume_changes must be a tuple of names among {RESUMABLE_CHANGES}, "
+            f"train.allow_resume_changes must be a tuple of names among {resumable}, "
             f"got {settings['allow_resume_changes']!r}."
         )
     policy = settings["non_finite"]
@@ -573,11 +307,11 @@ def train(
         the cache's own path, where it keeps XLA's autotuning cache: a moved cache misses),
         and caches compilations longer than ``jax_persistent_cache_min_compile_time_secs`` (1 s).
         Trust the directory as you trust the code: JAX runs what it loads from it.
-      non_finite: what a step with a non-finite loss or gradient norm does (`NonFiniteGuard`):
-        ``"stop"`` (default) ends the run with `NonFiniteError` naming the step, having saved
-        nothing after it; ``"skip"`` keeps the parameters and optimizer state for that step,
-        counts it (``skipped_steps`` in the metrics) and ends the run after
-        ``max_skipped_steps`` such steps.
+      non_finite: what a step with a non-finite loss or gradient norm does
+        (`guard.NonFiniteGuard`): ``"stop"`` (default) ends the run with `guard.NonFiniteError`
+        naming the step, having saved nothing after it; ``"skip"`` keeps the parameters and
+        optimizer state for that step, counts it (``skipped_steps`` in the metrics) and ends the
+        run after ``max_skipped_steps`` such steps.
       max_skipped_steps: see ``non_finite``.
       save_retries: how many times a checkpoint save that fails (a full disk, a storage error)
         is tried again, with the state of that moment, before the run stops with
@@ -585,11 +319,11 @@ def train(
         at the next step, so at most the steps since the previous successful save are lost.
       save_retry_backoff_s: seconds before the first retry; each next one waits twice as long.
       allow_resume_changes: what a resumed run may continue differently from its checkpoint,
-        among `RESUMABLE_CHANGES`: ``"learning_rate"`` (the schedule, e.g. a TRAIN_STEPS that
-        lengthens a cosine decay: the new schedule applies from the checkpoint's step on),
+        among `resume.RESUMABLE_CHANGES`: ``"learning_rate"`` (the schedule, e.g. a TRAIN_STEPS
+        that lengthens a cosine decay: the new schedule applies from the checkpoint's step on),
         ``"data_source"`` (DataConfig.source), ``"tokenizer"``. Anything else it would continue
-        differently is a `checkpoints.ConfigMismatchError` naming it (`resume_changes`). Each
-        segment's operative config is kept in ``config-history.gin``.
+        differently is a `checkpoints.ConfigMismatchError` naming it (`resume.resume_changes`).
+        Each segment's operative config is kept in ``config-history.gin``.
       profile_steps: ``(START, COUNT)``: trace steps ``START .. START + COUNT - 1`` with
         ``jax.profiler`` into ``MODEL_DIR/profile/`` (process 0; `metrics.ProfileWindow`);
         None (default): no trace.
@@ -603,7 +337,7 @@ def train(
       run_lock.RunLockedError: another run is using ``model_dir``.
       checkpoints.ConfigMismatchError: ``model_dir``'s checkpoints hold another model or
         optimizer.
-      NonFiniteError: the run diverged (see ``non_finite``).
+      guard.NonFiniteError: the run diverged (see ``non_finite``).
     """
     check_settings(
         train_steps=train_steps,
@@ -640,7 +374,7 @@ def train(
     batches = train_data(seed=seed, **data_args)
     _check_vocab(model_config, batches)
     eval_batches = None if eval_data is None else eval_data(**data_args)
-    stop = checkpoints.StopSignal()
+    stop = signals.StopSignal()
     cache = compilation_cache_path(model_dir_path, compilation_cache_dir)
     if jax.process_index() == 0:
         create_model_dir(model_dir_path)
@@ -658,7 +392,7 @@ def train(
             )
         ) as ckpts,
     ):
-        state, run_counters = _restore_or_init(
+        state, run_counters = resume.restore_or_init(
             step_fns,
             ckpts,
             batches,
@@ -669,7 +403,7 @@ def train(
         )
         step = int(state.step)
         if jax.process_index() == 0:
-            record_config(model_dir_path, step, gin.operative_config_str())
+            resume.record_config(model_dir_path, step, gin.operative_config_str())
         _write_text(model_dir_path / "model-info.txt", train_state.describe(step_fns.layout))
 
         writer = metrics.MetricsWriter(
@@ -732,13 +466,13 @@ def train(
                     loss, pending = record(*pending), None
                     writer.flush()
                     run_state = guard.run_state() | {
-                        "learning_rate": schedule_probes(learning_rate, step, train_steps)
+                        "learning_rate": resume.schedule_probes(learning_rate, step, train_steps)
                     }
                     ckpts.save(state, batches.get_state(), run_state, wait=last)
         finally:  # also on errors: end a trace, flush the metrics
             profile.close()
             writer.close()
-        _write_text(model_dir_path / CONFIG_FILE, gin.operative_config_str())
+        _write_text(model_dir_path / resume.CONFIG_FILE, gin.operative_config_str())
         if preempted:
             saved = "checkpoint saved" if step in ckpts.steps() else "no step ran, nothing saved"
             logging.warning("Stopped at step %d, %s; rerun to resume.", step, saved)

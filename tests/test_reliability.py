@@ -37,7 +37,18 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sonew_pax import checkpoints, data, inference, loop, metrics, run_lock, train
+from sonew_pax import (
+    checkpoints,
+    data,
+    guard,
+    inference,
+    loop,
+    metrics,
+    resume,
+    run_lock,
+    signals,
+    train,
+)
 from sonew_pax.errors import ConfigError, RunError
 from tests.conftest import jax_config
 from tests.test_checkpoints import leftovers
@@ -129,7 +140,7 @@ class PoisonedBatches:
 def test_diverged_run_stops_and_saves_nothing_after(tmp_path):
     configure(tmp_path, "CHECKPOINT_PERIOD = 2", "TRAIN_STEPS = 10")
     poisoned = lambda **kw: PoisonedBatches({4}, **kw)  # noqa: E731  the 5th step
-    with pytest.raises(loop.NonFiniteError, match=r"step 5: non-finite loss nan") as error:
+    with pytest.raises(guard.NonFiniteError, match=r"step 5: non-finite loss nan") as error:
         loop.train(train_data=poisoned, eval_data=None)
     assert "checkpoint_4" in str(error.value)
     assert sorted(p.name for p in tmp_path.glob("checkpoint_*")) == [
@@ -146,7 +157,7 @@ def test_resumed_run_that_diverges_leaves_the_checkpoints_as_they_were(healthy, 
     before = {p.name: _tree_digest(p) for p in tmp_path.glob("checkpoint_*")}
     configure(tmp_path, *DIVERGE, "TRAIN_STEPS = 200", "CHECKPOINT_PERIOD = 100",
               "train.allow_resume_changes = ('learning_rate',)")  # fmt: skip
-    with pytest.raises(loop.NonFiniteError, match=r"step \d+: non-finite"):
+    with pytest.raises(guard.NonFiniteError, match=r"step \d+: non-finite"):
         loop.train(eval_data=None)
     assert {p.name: _tree_digest(p) for p in tmp_path.glob("checkpoint_*")} == before
 
@@ -173,7 +184,7 @@ def test_skip_policy_keeps_the_state_counts_and_stops_after_the_limit(tmp_path):
     configure(tmp_path, "CHECKPOINT_PERIOD = 3", "TRAIN_STEPS = 12",
               "train.non_finite = 'skip'", "train.max_skipped_steps = 2")  # fmt: skip
     poisoned_again = lambda **kw: PoisonedBatches({9}, **kw)  # noqa: E731  step 10
-    with pytest.raises(loop.NonFiniteError, match="3 steps skipped, more than"):
+    with pytest.raises(guard.NonFiniteError, match="3 steps skipped, more than"):
         loop.train(train_data=poisoned_again, eval_data=None)
 
 
@@ -430,7 +441,7 @@ def test_save_that_keeps_failing_stops_the_run_and_keeps_the_last_checkpoint(
 
 def test_second_ctrl_c_stops_at_once():
     before = signal.getsignal(signal.SIGINT)
-    stop = checkpoints.StopSignal()
+    stop = signals.StopSignal()
     with stop.installed():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(0.1)  # the handler runs between bytecodes of this thread
@@ -484,7 +495,7 @@ def test_resume_that_would_continue_differently_is_refused_unless_allowed(
     configure(model_dir, *bindings, f"train.allow_resume_changes = ('{change}',)")
     result = loop.train(**kwargs)
     assert result.step == (24 if change == "learning_rate" else STEPS)
-    history = (model_dir / loop.CONFIG_HISTORY_FILE).read_text()
+    history = (model_dir / resume.CONFIG_HISTORY_FILE).read_text()
     assert f"run segment from step {PERIOD}\n" in history  # the new segment, appended
 
 
@@ -496,10 +507,10 @@ def test_resume_with_another_batch_size_is_a_config_mismatch(healthy, tmp_path):
 
 
 def test_config_history_keeps_each_segment(tmp_path):
-    loop.record_config(tmp_path, 0, "A = 1\n")
-    loop.record_config(tmp_path, 6, "A = 1\n")  # the same config resumed: nothing appended
-    loop.record_config(tmp_path, 6, "A = 2\n")
-    history = (tmp_path / loop.CONFIG_HISTORY_FILE).read_text()
+    resume.record_config(tmp_path, 0, "A = 1\n")
+    resume.record_config(tmp_path, 6, "A = 1\n")  # the same config resumed: nothing appended
+    resume.record_config(tmp_path, 6, "A = 2\n")
+    history = (tmp_path / resume.CONFIG_HISTORY_FILE).read_text()
     assert history.count("run segment from step") == 2
     assert history.endswith("step 6\nA = 2\n") and "step 0\nA = 1\n" in history
     assert (tmp_path / "config.gin").read_text() == "A = 2\n"
