@@ -30,9 +30,8 @@ import sonew_pax.loop  # noqa: F401
 from sonew_pax import checkpoints, data, paths, train_state
 from sonew_pax.errors import ConfigError, RunError
 from sonew_pax.models import Transformer, TransformerConfig, init_cache
+from sonew_pax.resume import CONFIG_FILE
 from sonew_pax.train_state import PyTree
-
-CONFIG_FILE = "config.gin"
 
 
 @dataclasses.dataclass(frozen=True)
