@@ -213,7 +213,7 @@ def test_tpu_pod_without_gcsfuse_trains_into_gs():
     result = run_script("tpu_pod.sh", "all", env=TPU_ENV | {"DRY_RUN": "1", "GCSFUSE": "0"})
     assert result.returncode == 0, result.stderr
     setup = next(line for line in result.stdout.splitlines() if "pip install" in line)
-    assert "sonew_pax[gcs]" in setup and "gcsfuse" not in setup
+    assert "sonew_pax[trainer,gcs]" in setup and "gcsfuse" not in setup
     assert 'MODEL_DIR=\\\\\\"gs://b/run\\\\\\"' in result.stdout.splitlines()[-1]
     bad = run_script("tpu_pod.sh", env=TPU_ENV | {"DRY_RUN": "1", "GCSFUSE": "yes"})
     assert bad.returncode == 2 and "GCSFUSE must be 0 or 1" in bad.stderr
