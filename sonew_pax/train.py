@@ -88,9 +88,29 @@ def _own_info_only(record: pylogging.LogRecord) -> bool:
     return record.levelno >= pylogging.WARNING or f"{PACKAGE_DIR}/" in record.pathname
 
 
+def _abandoned_write(exc_type: type, value: BaseException) -> bool:
+    """Whether an exception is tensorstore completing a write of a checkpoint save that orbax
+    abandoned after it failed: its callback finds orbax's event loop closed."""
+    return exc_type is RuntimeError and str(value) == "Event loop is closed"
+
+
+def _without_abandoned_writes(hook: Callable) -> Callable:
+    """``sys.unraisablehook`` ``hook`` that prints nothing for `_abandoned_write` (tensorstore
+    reports those as unraisable, one traceback per write, after `checkpoints.Checkpoints` has
+    logged the failed save in one line)."""
+
+    def unraisablehook(unraisable):
+        if not _abandoned_write(unraisable.exc_type, unraisable.exc_value):
+            hook(unraisable)
+
+    return unraisablehook
+
+
 def quiet_library_logs() -> None:
-    """Installs `_own_info_only` on absl's log handler."""
+    """Installs `_own_info_only` on absl's log handler, and drops tensorstore's reports of
+    writes orbax abandoned (`_without_abandoned_writes`)."""
     logging.get_absl_handler().addFilter(_own_info_only)
+    sys.unraisablehook = _without_abandoned_writes(sys.unraisablehook)
 
 
 def _tolerant(existence_check: Callable[[str], bool]) -> Callable[[str], bool]:

@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import gin
 import jax
@@ -573,3 +574,20 @@ def test_load_run_falls_back_when_the_newest_checkpoint_is_deleted_while_read(
 
     monkeypatch.setattr(checkpoints.Checkpoints, "_restore_params_intact", rotated_while_read)
     assert inference.load_run(str(tmp_path)).step == PERIOD
+
+
+def test_cli_drops_tensorstores_reports_of_abandoned_writes_only():
+    """tensorstore reports each write it completes after orbax abandoned a failed save as an
+    unraisable "Event loop is closed" (hundreds of tracebacks); anything else still prints."""
+    printed = []
+    hook = train._without_abandoned_writes(printed.append)
+
+    def unraisable(error):
+        return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=None)
+
+    hook(unraisable(RuntimeError("Event loop is closed")))
+    assert printed == []
+    for other in (RuntimeError("Event loop is running"), ValueError("Event loop is closed")):
+        hook(unraisable(other))
+    assert [str(u.exc_value) for u in printed] == ["Event loop is running", "Event loop is closed"]
+    assert [u.exc_type for u in printed] == [RuntimeError, ValueError]
