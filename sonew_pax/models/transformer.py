@@ -197,8 +197,8 @@ def flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     attention_kernels = 2 * (cfg.num_heads + cfg.kv_heads) * cfg.head_dim
     per_layer = cfg.d_model * (attention_kernels + mlp_kernels * cfg.mlp_dim)
     weights = cfg.num_layers * per_layer + cfg.d_model * cfg.vocab_size
-    attention = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
-    return float(6 * weights + attention)
+    scores_and_sums = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq_len
+    return float(6 * weights + scores_and_sums)
 
 
 def _normal(std: float):
