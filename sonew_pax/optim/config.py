@@ -20,7 +20,7 @@ import numpy as np
 import optax
 
 if TYPE_CHECKING:
-    from sonew_pax.optim.kernels import KernelConfig
+    from sonew_pax.optim.kernels.config import KernelConfig
 
 Graft = Literal["adam", "none"]
 Damping = Literal["absolute", "mean", "max"]

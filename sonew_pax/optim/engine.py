@@ -67,16 +67,7 @@ from sonew_pax.optim.slots import (
     slot_starts,
     slot_values,
 )
-
-
-class Leaves(NamedTuple):
-    """The whole tree's tensors, each field a list in the tree's leaf order."""
-
-    grads: list[jax.Array]
-    m: list[jax.Array]
-    d: list[jax.Array]
-    e: list[Any]  # (band, *shape) arrays, or optax.MaskedNode
-    layouts: list[ChainLayout]
+from sonew_pax.optim.state import Leaves
 
 
 class LeafStep(NamedTuple):

@@ -9,7 +9,6 @@ exchanges together. Both are built for all tensors at once.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -26,9 +25,7 @@ from sonew_pax.optim.dispatch import (
     stack_on_kernel,
 )
 from sonew_pax.optim.kernels import KernelConfig
-
-if TYPE_CHECKING:
-    from sonew_pax.optim.engine import Leaves
+from sonew_pax.optim.state import Leaves
 
 
 def halo_rows(

@@ -6,6 +6,8 @@ from typing import Any, NamedTuple
 import jax
 import optax
 
+from sonew_pax.optim.chain import ChainLayout
+
 
 class ScaleBySONewState(NamedTuple):
     """State of :func:`scale_by_sonew`; every array has its parameter's layout.
@@ -91,3 +93,14 @@ class StackedByShapeState:
 
     def __repr__(self) -> str:
         return f"StackedByShapeState(inner={self.inner!r}, groups={self.grouping.groups})"
+
+
+class Leaves(NamedTuple):
+    """The whole tree's tensors as the engine steps them (gradients, state, chain layouts), each
+    field a list in the tree's leaf order."""
+
+    grads: list[jax.Array]
+    m: list[jax.Array]
+    d: list[jax.Array]
+    e: list[Any]  # (band, *shape) arrays, or optax.MaskedNode
+    layouts: list[ChainLayout]
