@@ -131,17 +131,24 @@ def test_second_run_in_the_same_model_dir_is_refused(tmp_path, env):
     assert f"is in use by another run: pid {process.pid}" in second.stderr
 
 
-def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_path, env):
+def stopped_by(signum: int, tmp_path, env) -> tuple[int, str, float]:
+    """Starts a long run, sends it ``signum`` once its first periodic checkpoint exists and waits
+    for it: its exit status, its stderr and the seconds from the signal to its exit."""
     process = subprocess.Popen(
         command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
     wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
-    process.send_signal(signal.SIGTERM)
+    process.send_signal(signum)
     sent = time.monotonic()
     _, stderr = process.communicate(timeout=60)
-    assert process.returncode == train.EXIT_STOPPED, stderr[-3000:]  # not 0: not finished
-    assert time.monotonic() - sent < 15
+    return process.returncode, stderr, time.monotonic() - sent
+
+
+def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_path, env):
+    status, stderr, seconds = stopped_by(signal.SIGTERM, tmp_path, env)
+    assert status == train.EXIT_STOPPED, stderr[-3000:]  # not 0: not finished
+    assert seconds < 15
     saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
     assert f"Stopped at step {saved}, checkpoint saved" in stderr
     assert "Finished" not in stderr
@@ -268,14 +275,8 @@ def test_unset_required_macro_names_it(tmp_path, env):
 
 
 def test_ctrl_c_saves_like_sigterm(tmp_path, env):
-    process = subprocess.Popen(
-        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == train.EXIT_STOPPED, stderr[-3000:]
+    status, stderr, _ = stopped_by(signal.SIGINT, tmp_path, env)
+    assert status == train.EXIT_STOPPED, stderr[-3000:]
     saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
     assert saved > PERIOD and f"Stopped at step {saved}, checkpoint saved" in stderr
     assert "Traceback" not in stderr
