@@ -25,8 +25,6 @@ from benchmarks import common
 from sonew_pax.models import attention
 
 COLUMNS = ("shape", "implementation", "fwd_bwd_ms", "speedup_vs_xla", "rel_err")
-# The fast kernel of each backend (besides the reference form).
-_FAST = {"gpu": "cudnn", "tpu": "splash"}
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -101,7 +99,8 @@ def main(argv=None) -> dict:
     """Measures every shape and implementation, prints the table, writes and returns the JSON."""
     args = parse_args(argv)
     dtype = jnp.dtype(args.dtype)
-    implementations = ["xla", *[_FAST[b] for b in (jax.default_backend(),) if b in _FAST]]
+    fast = attention.FAST_KERNELS.get(jax.default_backend())
+    implementations = ["xla", *([fast] if fast else [])]
     rows = []
     for shape in args.shapes:
         shape_rows = [measure(shape, name, dtype, args) for name in implementations]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 Implementation = Literal["auto", "xla", "cudnn", "splash"]
 IMPLEMENTATIONS: tuple[str, ...] = ("auto", "xla", "cudnn", "splash")
 # The fast kernel of each backend, as `jax.default_backend()` names it.
-_FAST = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}
+FAST_KERNELS = {"gpu": "cudnn", "cuda": "cudnn", "tpu": "splash"}
 # cuDNN's fused attention: half-precision inputs, head sizes in multiples of 8 up to 128.
 _CUDNN_DTYPES = ("bfloat16", "float16")
 _CUDNN_MAX_HEAD_DIM = 128
@@ -100,7 +100,7 @@ def resolve(
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attention must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     backend = backend or jax.default_backend()
-    wanted = _FAST.get(backend, "xla") if implementation == "auto" else implementation
+    wanted = FAST_KERNELS.get(backend, "xla") if implementation == "auto" else implementation
     why_not = _unsupported(wanted, dtype, head_dim, length, dropout_rate)
     if why_not:
         return Choice("xla", f"{why_not}; using the reference form (xla)", fallback=True)
