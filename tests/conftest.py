@@ -81,6 +81,7 @@ MODULE_COST = {
     "test_sonew_math": 23,
     "test_models": 22,
     "test_optax_contract": 19,
+    "test_optax_contrib_suite": 15,
     "test_graft_lag": 18,
     "test_command_buffers": 17,
     "test_sample": 17,
