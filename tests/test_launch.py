@@ -14,6 +14,7 @@ import math
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -341,3 +342,37 @@ def test_v4_32_memory_estimate_matches_the_real_model(run_config):
     for name, value in expected_gib.items():
         assert stated[name] == pytest.approx(value, abs=0.01), name
     assert expected_gib["total"] < 0.75 * V4_HBM_GIB
+
+
+@pytest.mark.parametrize(("accelerator", "devices"), [("v4-32", 16), ("v5litepod-8", 8)])
+def test_tpu_pod_check_trains_on_the_slice_then_on_a_cpu_mesh_and_compares(accelerator, devices):
+    """``check``: the shrunk run on every worker, the same run on worker 0's CPU simulating the
+    slice's devices with reference attention, then crosscheck of the two MODEL_DIRs; the CPU
+    run's flags parse against the run config as given (every binding and macro exists)."""
+    env = TPU_ENV | {"DRY_RUN": "1", "ACCELERATOR_TYPE": accelerator}
+    result = run_script("tpu_pod.sh", "check", env=env)
+    assert result.returncode == 0, result.stderr
+    on_slice, on_cpu = (_printed_argv(line)[-1].removeprefix("--command=")
+                        for line in result.stdout.splitlines())  # fmt: skip
+    assert "--worker=all" in result.stdout.splitlines()[0]
+    assert "--worker=0" in result.stdout.splitlines()[1]
+    words = shlex.split(on_cpu)
+    assert f"XLA_FLAGS=--xla_force_host_platform_device_count={devices}" in words
+    assert "JAX_PLATFORMS=cpu" in words and "--process_count=1" in words
+    train_flags = words[words.index("sonew_pax.train") + 1 : words.index("&&", 3)]
+    checked = words[words.index("sonew_pax.crosscheck") + 1 :]
+    model_dirs = [f[len('--gin.MODEL_DIR="'):-1] for f in train_flags if f.startswith("--gin.MODEL_DIR")]
+    assert model_dirs[0].startswith("/mnt/gcs/b/run/crosscheck-") and model_dirs[0].endswith("/cpu")
+    assert checked[:2] == [model_dirs[0].removesuffix("/cpu") + "/tpu", model_dirs[0]]
+    assert f'--gin.MODEL_DIR="{checked[0]}"' in shlex.split(on_slice)
+    args = train.rewrite_gin_args([f for f in train_flags if not f.startswith("--process_count")])
+    files = [a.removeprefix("--gin_file=") for a in args if a.startswith("--gin_file=")]
+    bindings = [a.removeprefix("--gin_bindings=") for a in args if a.startswith("--gin_bindings=")]
+    gin.clear_config()
+    try:
+        train.parse_gin(files, bindings, ["."])
+        assert gin.query_parameter("TransformerConfig.num_layers") == 2
+        assert gin.query_parameter("TransformerConfig.attention") == "xla"
+        assert gin.query_parameter("%BATCH_SIZE") == 2 * devices
+    finally:
+        gin.clear_config()
