@@ -161,46 +161,6 @@ COLORS = {
 # ---------------------------------------------------------------------------------- optimizers
 
 
-def adam_decay_rate(step, b2):
-    """Adafactor's decay for step ``step`` (0-based) that makes its second moment Adam's.
-
-    ``b2 (1 - b2^t) / (1 - b2^(t+1))`` turns the running average into the bias-corrected EMA of
-    Adam (Adafactor's "adam" decay method); it is 0 at the first step.
-    """
-    t = jnp.asarray(step, jnp.float32)
-    return b2 * (1.0 - b2**t) / (1.0 - b2 ** (t + 1.0))
-
-
-def adafactor_unfactored(
-    learning_rate,
-    *,
-    b1,
-    b2,
-    eps,
-    clipping_threshold,
-    weight_decay,
-    mesh=None,
-    param_specs=None,
-    stacked_axes=None,
-):
-    """The paper's Adafactor: full second moment, Adam-style decay, momentum, update clipping.
-
-    Order: ``g / sqrt(v)`` (v the bias-corrected EMA of g^2 + eps), clipped to block RMS
-    ``clipping_threshold``, EMA with ``b1`` (no bias correction), plus ``weight_decay * param``
-    on matrices, times ``-learning_rate``. ``mesh`` and ``param_specs`` are unused.
-    """
-    del mesh, param_specs
-    return optax.chain(
-        optax.scale_by_factored_rms(
-            factored=False, decay_rate=b2, epsilon=eps, decay_rate_fn=adam_decay_rate
-        ),
-        optax.clip_by_block_rms(clipping_threshold),
-        optax.ema(b1, debias=False),
-        optax.add_decayed_weights(weight_decay, optimizers.matrices(stacked_axes)),
-        optax.scale_by_learning_rate(learning_rate),
-    )
-
-
 def hyperparameters(
     sonew_eps: float | list[float] = DEFAULT_SONEW_EPS,
     sonew_b2: float = B2,
@@ -225,7 +185,7 @@ def base_factory(name: str, hp: dict):
     if name == "adamw":
         return functools.partial(optimizers.adamw, **hp)
     if name == "adafactor":
-        return functools.partial(adafactor_unfactored, **hp)
+        return functools.partial(optimizers.adafactor_unfactored, **hp)
     if name == "muon":
         return functools.partial(optimizers.muon, **hp)
     if name == "sonew_tridiag":

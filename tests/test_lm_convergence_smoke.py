@@ -105,15 +105,6 @@ def test_sonew_graft_lag_flag_reaches_sonew_and_builds(flag):
         lm_convergence.parse_args(["--sonew_graft_lag", "yes"])
 
 
-def test_adam_decay_rate_is_bias_corrected_ema():
-    b2, v, g2 = 0.9, 0.0, [1.0, 4.0, 9.0]
-    for step, x in enumerate(g2):
-        decay = float(lm_convergence.adam_decay_rate(step, b2))
-        v = decay * v + (1 - decay) * x
-    ema = sum((1 - b2) * b2 ** (len(g2) - 1 - i) * x for i, x in enumerate(g2))
-    assert v == pytest.approx(ema / (1 - b2 ** len(g2)), rel=1e-6)
-
-
 def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     out = tmp_path / "lm_convergence.json"
     result = lm_convergence.main([*ARGV, "--out", str(out)])
