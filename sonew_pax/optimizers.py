@@ -141,7 +141,6 @@ def adafactor(
     )
 
 
-
 def adam_decay_rate(step: jax.Array, b2: float) -> jax.Array:
     """Adafactor's second-moment decay at ``step`` (0-based) that makes it Adam's.
 
@@ -206,6 +205,7 @@ def adafactor_unfactored(
         optax.add_decayed_weights(weight_decay, matrices(stacked_axes)),
         optax.scale_by_learning_rate(learning_rate),
     )
+
 
 # Parameters that Muon leaves to AdamW whatever their shape: the token embedding, the learned
 # positions and the output projection (Muon's recipe: orthogonalised steps for hidden matrices).
