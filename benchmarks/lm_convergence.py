@@ -54,7 +54,9 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -394,7 +396,7 @@ def _on_off(text: str) -> bool:
     return text == "on"
 
 
-def _distinct(convert: type) -> callable:
+def _distinct(convert: Callable[[str], Any]) -> Callable[[str], list]:
     """An argparse type: a non-empty comma list of distinct values >= 0, each ``convert``ed."""
 
     def parse(text: str) -> list:
