@@ -57,10 +57,13 @@ Usage: `python -m benchmarks.autoencoder --optimizers all [--dtype bfloat16] [--
 """
 
 import argparse
+import functools
 import itertools
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -68,24 +71,20 @@ import numpy as np
 import optax
 
 from benchmarks import common, mnist_data
-from sonew_pax import metrics
+from sonew_pax import metrics, optim
 
 LAYER_SIZES = (784, 1000, 500, 250, 30, 250, 500, 1000, 784)
 CODE_LAYER = 3  # index of the dense layer producing the 30-unit code: no activation after it
 
-OPTIMIZERS = (
-    "sgd",
-    "nesterov",
-    "momentum",
-    "adagrad",
-    "rmsprop",
-    "adam",
-    "sonew_diag",
-    "sonew_tridiag",
-    "sonew_tridiag_lag",
-    "sonew_band4",
-    "sonew_band10",
-)
+# The optimizers besides SONew's variants: optax's, from (schedule, β1, β2, ε).
+OPTAX = {
+    "sgd": lambda lr, b1, b2, eps: optax.sgd(lr),
+    "nesterov": lambda lr, b1, b2, eps: optax.sgd(lr, momentum=b1, nesterov=True),
+    "momentum": lambda lr, b1, b2, eps: optax.sgd(lr, momentum=b1),
+    "adagrad": lambda lr, b1, b2, eps: optax.adagrad(lr, eps=eps),
+    "rmsprop": lambda lr, b1, b2, eps: optax.rmsprop(lr, decay=b2, eps=eps, momentum=b1),
+    "adam": lambda lr, b1, b2, eps: optax.adam(lr, b1=b1, b2=b2, eps=eps),
+}
 # SONew rows: their `sonew` keyword arguments besides the hyperparameters and the graft.
 SONEW_VARIANTS = {
     "sonew_diag": {"band": 0},
@@ -94,6 +93,7 @@ SONEW_VARIANTS = {
     "sonew_band4": {"band": 4},
     "sonew_band10": {"band": 10},
 }
+OPTIMIZERS = (*OPTAX, *SONEW_VARIANTS)
 WITHOUT_EPS = ("sgd", "nesterov", "momentum")
 
 # The paper's tuned (β1, β2, ε, lr); band-10 has none in the paper and reuses band-4's, the
@@ -133,30 +133,13 @@ PAPER_HPARAMS = {
 }
 # The paper's final training losses (Tables 9 and 10; band-10 from Table 13, float32 only).
 PAPER_LOSS = {
-    "float32": {
-        "sgd": 67.654,
-        "nesterov": 59.087,
-        "adagrad": 54.393,
-        "momentum": 58.651,
-        "rmsprop": 53.330,
-        "adam": 53.591,
-        "sonew_diag": 53.025,
-        "sonew_tridiag": 51.723,
-        "sonew_band4": 51.357,
-        "sonew_band10": 51.226,
-    },
-    "bfloat16": {
-        "sgd": 80.454,
-        "nesterov": 72.975,
-        "adagrad": 68.854,
-        "momentum": 70.053,
-        "rmsprop": 53.743,
-        "adam": 54.328,
-        "sonew_diag": 53.29,
-        "sonew_tridiag": 51.937,
-        "sonew_band4": 51.84,
-    },
-}
+    "float32": {"sgd": 67.654, "nesterov": 59.087, "adagrad": 54.393, "momentum": 58.651,
+                "rmsprop": 53.330, "adam": 53.591, "sonew_diag": 53.025, "sonew_tridiag": 51.723,
+                "sonew_band4": 51.357, "sonew_band10": 51.226},
+    "bfloat16": {"sgd": 80.454, "nesterov": 72.975, "adagrad": 68.854, "momentum": 70.053,
+                 "rmsprop": 53.743, "adam": 54.328, "sonew_diag": 53.29, "sonew_tridiag": 51.937,
+                 "sonew_band4": 51.84},
+}  # fmt: skip
 
 
 def init_params(key, dtype) -> list[dict]:
@@ -219,7 +202,7 @@ def lr_schedule(peak, steps_per_epoch: int, epochs: int, warmup_epochs: float):
     return schedule
 
 
-def make_optimizer(
+def make_tx(
     name: str,
     hp: dict,
     schedule,
@@ -227,133 +210,148 @@ def make_optimizer(
     implementation: str = "xla",
     damping: str = "absolute",
 ) -> optax.GradientTransformation:
-    """The transformation `name` with hyperparameters `hp` (b1, b2, eps; may be traced).
+    """The transformation ``name`` (`OPTAX`, or `optim.sonew` for `SONEW_VARIANTS`).
 
-    `graft_eps` is SONew's Adam-graft ε: a number, or "eps" for the run's ε; `implementation`
-    SONew's (`"xla"` or `"pallas"`, the GPU kernels); `damping` SONew's (ε as given, or relative
-    to each tensor's diagonal: `"mean"`, `"max"`).
+    Args:
+      name: one of `OPTIMIZERS`.
+      hp: ``b1``, ``b2`` and ``eps`` (may be traced).
+      schedule: the learning rate, a number or a schedule.
+      graft_eps: SONew's Adam-graft ε: a number, or "eps" for ``hp["eps"]``.
+      implementation: SONew's: "xla" or "pallas" (the GPU kernels).
+      damping: SONew's: "absolute" (ε as given), "mean" or "max" (relative to the diagonal).
+
+    Returns:
+      The optax transformation.
     """
     b1, b2, eps = hp["b1"], hp["b2"], hp["eps"]
-    if name in SONEW_VARIANTS:
-        from sonew_pax.optim import sonew  # lazy: the optimizer library is optional here
-
-        graft_eps = eps if graft_eps == "eps" else float(graft_eps)
-        variant = SONEW_VARIANTS[name]
-        return sonew(
-            schedule,
-            b1=b1,
-            b2=b2,
-            eps=eps,
-            graft="adam",
-            graft_eps=graft_eps,
-            implementation=implementation,
-            damping=damping,
-            **variant,
-        )
-    builders = {
-        "sgd": lambda: optax.sgd(schedule),
-        "momentum": lambda: optax.sgd(schedule, momentum=b1),
-        "nesterov": lambda: optax.sgd(schedule, momentum=b1, nesterov=True),
-        "adagrad": lambda: optax.adagrad(schedule, eps=eps),
-        "rmsprop": lambda: optax.rmsprop(schedule, decay=b2, eps=eps, momentum=b1),
-        "adam": lambda: optax.adam(schedule, b1=b1, b2=b2, eps=eps),
-    }
-    return builders[name]()
+    if name not in SONEW_VARIANTS:
+        return OPTAX[name](schedule, b1, b2, eps)
+    return optim.sonew(
+        schedule,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        graft="adam",
+        graft_eps=eps if graft_eps == "eps" else float(graft_eps),
+        implementation=implementation,
+        damping=damping,
+        **SONEW_VARIANTS[name],
+    )
 
 
-class Trainer:
-    """Jitted, vmapped init / epoch / evaluation for one optimizer over a batch of runs.
+def train_step(tx: optax.GradientTransformation, params, opt_state, x: jax.Array):
+    """One update on the images ``x``: ``(params, opt_state, loss)``. The optimizer state keeps
+    its dtypes: traced (vmapped) float32 hyperparameters would promote bfloat16 states."""
+    loss, grads = jax.value_and_grad(loss_fn)(params, x)
+    updates, new_state = tx.update(grads, opt_state, params)
+    new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
+    return optax.apply_updates(params, updates), new_state, loss
 
-    Every run has its own seed, learning rate and ε (the leading axis of `hps`); β1 and β2 are
-    shared. The training data is one device array shared by all runs.
+
+def init_run(run_tx, dtype, hp: dict):
+    """One run's parameters (from its seed) and optimizer state (``run_tx(hp)``'s)."""
+    params = init_params(jax.random.PRNGKey(hp["seed"]), dtype)
+    return params, run_tx(hp).init(params)
+
+
+def train_epoch(run_tx, data: jax.Array, batch_size: int, params, opt_state, hp: dict, epoch):
+    """One pass of `train_step` over ``data`` in minibatches, in an order that depends only on
+    the run's seed and ``epoch``.
+
+    Args:
+      run_tx: a run's hyperparameters -> its transformation (`run_optimizer`'s).
+      data: the training images, [N, 784].
+      batch_size: images per step (the remainder of an epoch is left out).
+      params: the parameters.
+      opt_state: the optimizer state.
+      hp: the run's ``seed``, ``learning_rate`` and ``eps``.
+      epoch: the epoch's index.
+
+    Returns:
+      ``(params, opt_state, mean minibatch loss)``.
     """
+    tx = run_tx(hp)
+    steps = data.shape[0] // batch_size
+    order = jax.random.permutation(
+        jax.random.fold_in(jax.random.PRNGKey(hp["seed"]), epoch), data.shape[0]
+    )
 
-    def __init__(self, name: str, args, data: jax.Array, betas: dict):
-        self.name, self.data, self.betas = name, data, betas
-        self.batch = args.batch_size
-        self.steps = data.shape[0] // self.batch
-        self.epochs, self.warmup_epochs = args.epochs, args.warmup_epochs
-        self.dtype = jnp.dtype(args.dtype)
-        self.graft_eps = args.sonew_graft_eps
-        self.implementation = args.implementation
-        self.damping = args.sonew_damping
+    def step(carry, idx):
+        params, opt_state, loss = train_step(tx, *carry, data[idx])
+        return (params, opt_state), loss
 
-    def _tx(self, hp: dict) -> optax.GradientTransformation:
-        """This run's optimizer; its schedule peaks at the run's learning rate."""
-        schedule = lr_schedule(hp["learning_rate"], self.steps, self.epochs, self.warmup_epochs)
-        return make_optimizer(
-            self.name,
-            {**self.betas, **hp},
-            schedule,
-            self.graft_eps,
-            self.implementation,
-            self.damping,
-        )
+    batches = order[: steps * batch_size].reshape(steps, batch_size)
+    (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), batches)
+    return params, opt_state, losses.mean()
 
-    def _init(self, hp: dict):
-        """Parameters from the run's seed and the optimizer state."""
-        params = init_params(jax.random.PRNGKey(hp["seed"]), self.dtype)
-        return params, self._tx(hp).init(params)
 
-    def _epoch(self, params, opt_state, hp: dict, epoch):
-        """One pass over a fresh permutation of the data; returns the mean minibatch loss.
+class Compiled(NamedTuple):
+    """One optimizer's programs over a batch of runs (the leading axis of every argument)."""
 
-        Optimizer states keep their initial dtypes: traced (vmapped) float32 hyperparameters
-        would otherwise promote bfloat16 states to float32.
-        """
-        tx = self._tx(hp)
-        key = jax.random.fold_in(jax.random.PRNGKey(hp["seed"]), epoch)
-        order = jax.random.permutation(key, self.data.shape[0])
-        batches = order[: self.steps * self.batch].reshape(self.steps, self.batch)
+    init: Callable  # hps -> (params, opt_state)
+    epoch: Callable  # (params, opt_state, hps, epoch) -> (params, opt_state, mean losses)
+    evaluate: Callable  # params -> loss on the whole training set
+    seconds: float  # compile time
 
-        def step(carry, idx):
-            params, opt_state = carry
-            loss, grads = jax.value_and_grad(loss_fn)(params, self.data[idx])
-            updates, new_state = tx.update(grads, opt_state, params)
-            new_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_state, opt_state)
-            return (optax.apply_updates(params, updates), new_state), loss
 
-        (params, opt_state), losses = jax.lax.scan(step, (params, opt_state), batches)
-        return params, opt_state, losses.mean()
+def compile_runs(run_tx, data: jax.Array, args, hps: dict) -> Compiled:
+    """`init_run`, `train_epoch` (donating the state) and `full_loss`, vmapped and compiled.
 
-    def compile(self, hps: dict):
-        """Compiles the vmapped functions for `hps`; returns compile seconds."""
-        start = time.perf_counter()
-        self.init = jax.jit(jax.vmap(self._init)).lower(hps).compile()
-        params, opt_state = jax.eval_shape(jax.vmap(self._init), hps)
-        epoch = jax.ShapeDtypeStruct((), jnp.int32)
-        vmapped = jax.vmap(self._epoch, in_axes=(0, 0, 0, None))
-        self.epoch = (
-            jax.jit(vmapped, donate_argnums=(0, 1)).lower(params, opt_state, hps, epoch).compile()
-        )
-        evaluate = jax.vmap(lambda p: full_loss(p, self.data, self.batch))
-        self.evaluate = jax.jit(evaluate).lower(params).compile()
-        return time.perf_counter() - start
+    Args:
+      run_tx: a run's hyperparameters -> its transformation (`run_optimizer`'s).
+      data: the training images, on the device.
+      args: the flags (``--dtype``, ``--batch_size``).
+      hps: the runs' ``seed``, ``learning_rate`` and ``eps``, one entry per run along axis 0.
+
+    Returns:
+      The `Compiled` programs.
+    """
+    start = time.perf_counter()
+    init = jax.vmap(functools.partial(init_run, run_tx, jnp.dtype(args.dtype)))
+    params, opt_state = jax.eval_shape(init, hps)
+    epoch = jax.vmap(
+        functools.partial(train_epoch, run_tx, data, args.batch_size), in_axes=(0, 0, 0, None)
+    )
+    epoch_index = jax.ShapeDtypeStruct((), jnp.int32)
+    evaluate = jax.vmap(lambda p: full_loss(p, data, args.batch_size))
+    return Compiled(
+        jax.jit(init).lower(hps).compile(),
+        jax.jit(epoch, donate_argnums=(0, 1)).lower(params, opt_state, hps, epoch_index).compile(),
+        jax.jit(evaluate).lower(params).compile(),
+        time.perf_counter() - start,
+    )
 
 
 def run_optimizer(name: str, args, data: jax.Array, runs: list[dict]) -> list[dict]:
     """Trains all `runs` of one optimizer in one vmapped program; returns one row per run."""
     hp = PAPER_HPARAMS[args.dtype][name]
-    trainer = Trainer(name, args, data, {"b1": hp["b1"], "b2": hp["b2"]})
+    steps = data.shape[0] // args.batch_size
+
+    def run_tx(run: dict) -> optax.GradientTransformation:
+        """A run's transformation: its schedule peaks at its learning rate, at its ε."""
+        schedule = lr_schedule(run["learning_rate"], steps, args.epochs, args.warmup_epochs)
+        options = (args.sonew_graft_eps, args.implementation, args.sonew_damping)
+        return make_tx(name, {**hp, "eps": run["eps"]}, schedule, *options)
+
     hps = {
         "seed": jnp.array([r["seed"] for r in runs], jnp.uint32),
         "learning_rate": jnp.array([r["learning_rate"] for r in runs], jnp.float32),
         "eps": jnp.array([r["eps"] for r in runs], jnp.float32),
     }
     with jax.default_matmul_precision(args.matmul_precision):
-        compile_seconds = trainer.compile(hps)
-    params, opt_state = trainer.init(hps)
-    initial = trainer.evaluate(params)
+        programs = compile_runs(run_tx, data, args, hps)
+    params, opt_state = programs.init(hps)
+    initial = programs.evaluate(params)
     jax.block_until_ready((params, opt_state))
     curve = []
     start = time.perf_counter()
     for epoch in range(args.epochs):
-        params, opt_state, mean_loss = trainer.epoch(params, opt_state, hps, jnp.int32(epoch))
+        params, opt_state, mean_loss = programs.epoch(params, opt_state, hps, jnp.int32(epoch))
         curve.append(mean_loss)
         print_progress(name, epoch + 1, args.epochs, mean_loss, start)
     jax.block_until_ready(params)
     seconds = time.perf_counter() - start
-    final = np.asarray(trainer.evaluate(params))
+    final = np.asarray(programs.evaluate(params))
     curves = np.stack([np.asarray(c) for c in curve], axis=1)
     paper = PAPER_LOSS[args.dtype].get(name)
     return [
@@ -363,7 +361,7 @@ def run_optimizer(name: str, args, data: jax.Array, runs: list[dict]) -> list[di
             "train_loss": float(final[i]),
             "paper_train_loss": paper,
             "seconds": seconds,
-            "compile_seconds": compile_seconds,
+            "compile_seconds": programs.seconds,
             "vmapped_runs": len(runs),
             "initial_loss": float(initial[i]),
             **hp,
@@ -388,16 +386,6 @@ def print_progress(name: str, done: int, total: int, losses, start: float) -> No
     )
 
 
-def sonew_eps(text: str) -> float:
-    """``--sonew_eps``'s value other than ``paper``: a number, or ``default`` for the library's
-    (``sonew_pax.optim.DEFAULT_EPS``, a damping relative to each tensor's diagonal)."""
-    if text == "default":
-        from sonew_pax.optim import DEFAULT_EPS  # lazy: the optimizer library is optional here
-
-        return DEFAULT_EPS
-    return float(text)
-
-
 def sonew_eps_arg(text: str) -> str:
     """``--sonew_eps``: ``paper``, ``default`` or a positive number (checked when parsed)."""
     if text in ("paper", "default"):
@@ -411,23 +399,20 @@ def sonew_eps_arg(text: str) -> str:
     return text
 
 
-def parse_floats(text: str) -> list[float]:
-    """A comma-separated list of floats."""
-    return [float(v) for v in text.split(",") if v]
-
-
 def runs_for(name: str, args) -> list[dict]:
     """The runs of one optimizer: the paper's lr and ε (SONew's ε from ``--sonew_eps`` unless that
     is ``paper``), or the sweep grid around them, per seed."""
     hp = PAPER_HPARAMS[args.dtype][name]
     if name in SONEW_VARIANTS and args.sonew_eps != "paper":
-        hp = {**hp, "eps": sonew_eps(args.sonew_eps)}
+        # "default": the library's eps (`optim.DEFAULT_EPS`, relative with --sonew_damping mean)
+        eps = optim.DEFAULT_EPS if args.sonew_eps == "default" else float(args.sonew_eps)
+        hp = {**hp, "eps": eps}
     lr_factors, eps_factors = [1.0], [1.0]
     if args.sweep:
-        lr_factors = parse_floats(args.sweep_lr)
-        eps_factors = [1.0] if name in WITHOUT_EPS else parse_floats(args.sweep_eps)
+        lr_factors = common.float_list(args.sweep_lr)
+        eps_factors = [1.0] if name in WITHOUT_EPS else common.float_list(args.sweep_eps)
         if name in WITHOUT_EPS:
-            lr_factors = parse_floats(args.sweep_lr_only)
+            lr_factors = common.float_list(args.sweep_lr_only)
     return [
         {
             "seed": seed,
@@ -440,17 +425,8 @@ def runs_for(name: str, args) -> list[dict]:
     ]
 
 
-ROW_COLUMNS = (
-    "optimizer",
-    "dtype",
-    "seed",
-    "learning_rate",
-    "eps",
-    "train_loss",
-    "paper_train_loss",
-    "seconds",
-    "vmapped_runs",
-)
+ROW_COLUMNS = ("optimizer", "dtype", "seed", "learning_rate", "eps", "train_loss",
+               "paper_train_loss", "seconds", "vmapped_runs")  # fmt: skip
 
 
 def markdown_report(result: dict) -> str:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,77 @@ def module_command(name: str) -> list[str]:
     """The command that runs benchmark ``name`` in a fresh process of this interpreter:
     ``python -m benchmarks.<name>`` (from the repository root, as every benchmark runs)."""
     return [sys.executable, "-m", f"{__package__}.{name}"]
+
+
+def run_shards(name: str, argv: list[str], processes: int, out: Path) -> list[dict]:
+    """Benchmark ``name`` split over ``processes`` child processes at once: child ``k`` runs
+    ``argv`` with ``--shard k/N --out <out>.shard<k>.json`` on the k-th visible GPU
+    (``CUDA_VISIBLE_DEVICES``, else GPUs 0 to N-1), alone on it.
+
+    Args:
+      name: the benchmark's module, as `module_command` takes it.
+      argv: its flags; a ``--processes`` among them is dropped.
+      processes: N.
+      out: where the merged result goes; each shard's files (``<out>.shard<k>.*``) are removed
+        once its JSON is read.
+
+    Returns:
+      The children's JSON results, in shard order.
+
+    Raises:
+      ValueError: ``CUDA_VISIBLE_DEVICES`` names fewer than N GPUs.
+      RuntimeError: a child failed (its output is above).
+    """
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(k) for k in range(processes)]
+    if len(gpus) < processes:
+        raise ValueError(f"--processes {processes}: CUDA_VISIBLE_DEVICES={visible} names fewer")
+    shards = [out.with_suffix(f".shard{k}.json") for k in range(processes)]
+    command = [*module_command(name), *_without_flag(argv, "--processes")]
+    children = [
+        subprocess.Popen(
+            [*command, "--shard", f"{k}/{processes}", "--out", str(path)],
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpus[k]},
+        )
+        for k, path in enumerate(shards)
+    ]
+    failed = [k for k, child in enumerate(children) if child.wait() != 0]
+    if failed:
+        raise RuntimeError(f"{name} shards {failed} of {processes} failed (their output above)")
+    results = [json.loads(path.read_text()) for path in shards]
+    for path in shards:
+        for written in path.parent.glob(f"{path.stem}.*"):
+            written.unlink()
+    return results
+
+
+def _without_flag(argv: list[str], flag: str) -> list[str]:
+    """``argv`` without ``flag`` and its value (``--flag V`` or ``--flag=V``)."""
+    out, skip = [], False
+    for item in argv:
+        if skip:
+            skip = False
+        elif item == flag:
+            skip = True
+        elif not item.startswith(f"{flag}="):
+            out.append(item)
+    return out
+
+
+def shard_arg(text: str) -> tuple[int, int]:
+    """An argparse type for ``--shard`` (`run_shards`): ``K/N`` with ``0 <= K < N``."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k, n = -1, 0
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, got {text!r}")
+    return k, n
+
+
+def float_list(text: str) -> list[float]:
+    """An argparse type: a comma-separated list of numbers, maybe empty."""
+    return [float(x) for x in text.split(",") if x.strip()]
 
 
 def add_model_args(

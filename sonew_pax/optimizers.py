@@ -141,6 +141,72 @@ def adafactor(
     )
 
 
+def adam_decay_rate(step: jax.Array, b2: float) -> jax.Array:
+    """Adafactor's second-moment decay at ``step`` (0-based) that makes it Adam's.
+
+    ``b2 (1 - b2^t) / (1 - b2^(t+1))`` turns Adafactor's running average of ``g^2`` into Adam's
+    bias-corrected EMA (Adafactor's "adam" decay method); it is 0 at the first step.
+
+    Args:
+      step: the update's index, counted from 0.
+      b2: Adam's decay of the second moment.
+
+    Returns:
+      The decay, a float32 scalar.
+    """
+    t = jnp.asarray(step, jnp.float32)
+    return b2 * (1.0 - b2**t) / (1.0 - b2 ** (t + 1.0))
+
+
+@gin.configurable
+def adafactor_unfactored(
+    learning_rate: Schedule,
+    *,
+    b1: float = 0.9,
+    b2: float = 0.95,
+    eps: float = 1e-30,
+    clipping_threshold: float = 1.0,
+    weight_decay: float = 1e-3,
+    mesh: jax.sharding.Mesh | None = None,
+    param_specs: Any = None,
+    stacked_axes: Any = None,
+) -> optax.GradientTransformation:
+    """The SONew paper's Adafactor baseline: full second moment, Adam's decay, momentum.
+
+    Per parameter: ``u = g / sqrt(v)`` with ``v`` the bias-corrected EMA (decay ``b2``,
+    `adam_decay_rate`) of ``g^2 + eps``; ``u`` clipped to a root mean square of at most
+    ``clipping_threshold`` per tensor; its EMA with ``b1`` (no bias correction) plus
+    ``weight_decay * param`` on matrices; the step is that times ``-learning_rate``. Unlike
+    `adafactor` with ``factored=False`` (optax's), the second moment decays as Adam's rather than
+    as ``1 - step^-0.8``, and the learning rate scales the momentum and the weight decay as well.
+    Mesh and specs are unused.
+
+    Args:
+      learning_rate: the schedule.
+      b1: decay of the momentum of the clipped updates.
+      b2: Adam's decay of the second moment.
+      eps: added to ``g^2`` before its average.
+      clipping_threshold: the largest root mean square of a tensor's update before momentum.
+      weight_decay: decoupled weight decay of matrices (`matrices`), scaled by the learning rate.
+      mesh: unused.
+      param_specs: unused.
+      stacked_axes: leading axes that stack layers, for the weight-decay mask.
+
+    Returns:
+      The optax transformation.
+    """
+    del mesh, param_specs
+    return optax.chain(
+        optax.scale_by_factored_rms(
+            factored=False, decay_rate=b2, epsilon=eps, decay_rate_fn=adam_decay_rate
+        ),
+        optax.clip_by_block_rms(clipping_threshold),
+        optax.ema(b1, debias=False),
+        optax.add_decayed_weights(weight_decay, matrices(stacked_axes)),
+        optax.scale_by_learning_rate(learning_rate),
+    )
+
+
 # Parameters that Muon leaves to AdamW whatever their shape: the token embedding, the learned
 # positions and the output projection (Muon's recipe: orthogonalised steps for hidden matrices).
 MUON_EXCLUDED = ("embedding", "pos_embedding", "output")

@@ -148,6 +148,7 @@ class Trainer:
         stacked_axes = partitioning.stacked_axes(boxed)
         self.tx = optimizer(schedule, mesh=mesh, param_specs=param_specs, stacked_axes=stacked_axes)
         self.layout = train_state.derive_layout(boxed, self.tx, param_specs, mesh)
+        self._init = train_state.make_init_fn(model, self.tx, self.layout, self.example)
         self.batch_sharding = partitioning.data_sharding(mesh, rules)
         batch_shardings = dict.fromkeys(BATCH_KEYS, self.batch_sharding)
         replicated = NamedSharding(mesh, PartitionSpec())
@@ -189,10 +190,10 @@ class Trainer:
             )
 
     def init_state(self, seed: int) -> TrainState:
-        """A fresh step-0 state, each array created directly in its shard."""
-        init = train_state.make_init_fn(self.model, self.tx, self.layout, self.example)
+        """A fresh step-0 state, each array created directly in its shard (one compiled
+        initialiser serves every seed)."""
         with partitioning.axis_rules_context(self.mesh, self.rules):
-            return init(jax.random.key(seed))
+            return self._init(jax.random.key(seed))
 
     def global_batch(self, local_batch: Mapping[str, Any]) -> dict[str, jax.Array]:
         """This host's rows of the batch -> global arrays sharded like ``batch_sharding``."""

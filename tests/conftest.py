@@ -93,6 +93,7 @@ MODULE_COST = {
     "test_data": 8,
     "test_partitioning": 7,
     "test_fma": 4,
+    "test_adafactor": 4,
     "test_packaging": 3,
     "test_launch": 4,
     "test_paths": 4,

@@ -90,7 +90,7 @@ def test_sonew_damping_flag_reaches_the_optimizer():
     hp = {"b1": 0.9, "b2": 0.999, "eps": 1e-2}
 
     def update(damping):
-        tx = autoencoder.make_optimizer("sonew_tridiag", hp, 1e-3, damping=damping)
+        tx = autoencoder.make_tx("sonew_tridiag", hp, 1e-3, damping=damping)
         return jax.jit(tx.update)(grads, tx.init(params), params)[0]
 
     relative, absolute = update("mean"), update("absolute")

@@ -1,6 +1,6 @@
 """Smoke test of the LM convergence benchmark on CPU: a 1-layer tiny model, 2 learning rates per
 optimizer and 2 SONew eps values (SONew: the 2 x 2 grid), 20 steps; checks the JSON schema, the
-markdown and the plot. Plus its pure helpers."""
+markdown and the plot. Plus the pure helpers of the benchmark and of its report."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import lm_convergence
+from benchmarks import convergence_report, lm_convergence
 from sonew_pax import optim
 
 ARGV = [
@@ -23,11 +23,11 @@ EPS = [1e-8, 1e-5]
 
 def test_steps_to_reach_interpolates():
     steps, losses = [0, 10, 20], [5.0, 3.0, 2.0]
-    assert lm_convergence.steps_to_reach(steps, losses, 4.0) == pytest.approx(5.0)
-    assert lm_convergence.steps_to_reach(steps, losses, 2.0) == pytest.approx(20.0)
-    assert lm_convergence.steps_to_reach(steps, losses, 6.0) == 0.0
-    assert lm_convergence.steps_to_reach(steps, losses, 1.0) is None
-    assert lm_convergence.steps_to_reach([0, 10], [5.0, None], 4.0) is None
+    assert convergence_report.steps_to_reach(steps, losses, 4.0) == pytest.approx(5.0)
+    assert convergence_report.steps_to_reach(steps, losses, 2.0) == pytest.approx(20.0)
+    assert convergence_report.steps_to_reach(steps, losses, 6.0) == 0.0
+    assert convergence_report.steps_to_reach(steps, losses, 1.0) is None
+    assert convergence_report.steps_to_reach([0, 10], [5.0, None], 4.0) is None
 
 
 def test_run_order_round_robin_middle_first():
@@ -77,11 +77,11 @@ def test_seconds_ratio_is_the_steps_ratio_times_the_step_time_ratio():
         {"optimizer": "sonew_tridiag", "ms_per_step": 13.2},
         {"optimizer": "sonew_tridiag", "ms_per_step": None},  # an older run without a time
     ]
-    times = lm_convergence.step_ms(runs)
+    times = convergence_report.step_ms(runs)
     assert times == {"adamw": 11.0, "sonew_tridiag": 13.2}
     row = {"steps_ratio_vs_adamw": 0.8, "ms_per_step": times["sonew_tridiag"]}
-    assert abs(lm_convergence._seconds_ratio(row, times["adamw"]) - 0.8 * 1.2) < 1e-12
-    assert lm_convergence._seconds_ratio({**row, "steps_ratio_vs_adamw": None}, 11.0) is None
+    assert abs(convergence_report._seconds_ratio(row, times["adamw"]) - 0.8 * 1.2) < 1e-12
+    assert convergence_report._seconds_ratio({**row, "steps_ratio_vs_adamw": None}, 11.0) is None
 
 
 def test_sonew_damping_flag_reaches_only_sonew():
@@ -105,15 +105,6 @@ def test_sonew_graft_lag_flag_reaches_sonew_and_builds(flag):
         lm_convergence.parse_args(["--sonew_graft_lag", "yes"])
 
 
-def test_adam_decay_rate_is_bias_corrected_ema():
-    b2, v, g2 = 0.9, 0.0, [1.0, 4.0, 9.0]
-    for step, x in enumerate(g2):
-        decay = float(lm_convergence.adam_decay_rate(step, b2))
-        v = decay * v + (1 - decay) * x
-    ema = sum((1 - b2) * b2 ** (len(g2) - 1 - i) * x for i, x in enumerate(g2))
-    assert v == pytest.approx(ema / (1 - b2 ** len(g2)), rel=1e-6)
-
-
 def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     out = tmp_path / "lm_convergence.json"
     result = lm_convergence.main([*ARGV, "--out", str(out)])
@@ -126,7 +117,7 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
 
     assert written["config"]["hyperparameters"]["sonew_tridiag"]["eps"] == EPS
     assert len(written["runs"]) == 9
-    assert {r["optimizer"] for r in written["rows"]} == set(lm_convergence.OPTIMIZERS)
+    assert {r["optimizer"] for r in written["rows"]} == set(convergence_report.OPTIMIZERS)
     grid = {
         (r["learning_rate"], r["eps"]) for r in written["runs"] if r["optimizer"] == "sonew_tridiag"
     }
@@ -142,7 +133,7 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     assert sonew[(3e-3, EPS[0])] != sonew[(3e-3, EPS[1])]  # the injected eps takes effect
 
     rows = {row["optimizer"]: row for row in written["rows"]}
-    assert set(rows) == set(lm_convergence.OPTIMIZERS)
+    assert set(rows) == set(convergence_report.OPTIMIZERS)
     keys = {"optimizer", "learning_rate", "final_eval_loss", "steps_to_adamw_final",
             "steps_ratio_vs_adamw"}  # fmt: skip
     for name, row in rows.items():
@@ -207,7 +198,7 @@ def test_mean_over_seeds():
         _run("sonew_tridiag", 1.0, 0, [5.0, 2.0, 1.5]),
         _run("sonew_tridiag", 1.0, 1, [5.0, None], diverged=True),
     ]
-    merged = lm_convergence.mean_over_seeds(runs, [0, 1])
+    merged = convergence_report.mean_over_seeds(runs, [0, 1])
     assert [(r["optimizer"], r["learning_rate"]) for r in merged] == [
         ("adamw", 1.0), ("sonew_tridiag", 1.0)
     ]  # fmt: skip
@@ -218,9 +209,9 @@ def test_mean_over_seeds():
     assert sonew["curve"]["eval_loss"] == [5.0, None]
     # one seed: the runs themselves; older runs without "seed" count as the config's seed
     old = [{k: v for k, v in r.items() if k != "seed"} for r in runs[:1]]
-    assert lm_convergence.mean_over_seeds(old, [3])[0]["final_eval_loss"] == 2.0
-    assert lm_convergence.seeds_of({"seed": 3}) == [3]
-    assert lm_convergence.seeds_of({"seeds": [0, 2]}) == [0, 2]
+    assert convergence_report.mean_over_seeds(old, [3])[0]["final_eval_loss"] == 2.0
+    assert convergence_report.seeds_of({"seed": 3}) == [3]
+    assert convergence_report.seeds_of({"seeds": [0, 2]}) == [0, 2]
 
 
 def test_two_seeds_compare_mean_curves(tmp_path):
@@ -246,7 +237,7 @@ def test_two_seeds_compare_mean_curves(tmp_path):
 
 
 def _result(seed, lrs, runs):
-    config = {key: 1 for key in lm_convergence.SAME_CONFIG}
+    config = {key: 1 for key in convergence_report.SAME_CONFIG}
     sonew = {"eps": [1e-9], "damping": "mean"}
     config.update(seed=seed, learning_rates={"adamw": lrs, "adafactor": [], "sonew_tridiag": lrs},
                   hyperparameters={"sonew_tridiag": sonew})  # fmt: skip
@@ -269,7 +260,7 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
     wider["config"]["learning_rates"]["adamw"] = [4.0, 8.0]  # 8.0 never ran (a shard cut short)
     for run in wider["runs"]:
         del run["seed"]  # older results: the config's seed
-    merged = lm_convergence.merge_results([sweep, best_again, wider])
+    merged = convergence_report.merge_results([sweep, best_again, wider])
     assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
     # the grids are the rates that ran: 8.0, listed but not run, is no grid edge
     assert merged["config"]["learning_rates"]["adamw"] == [1.0, 2.0, 4.0]
@@ -286,13 +277,13 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
     assert sonew["steps_ratio_vs_adamw_per_seed"] == pytest.approx([0.7, 0.5])
     assert adamw["steps_ratio_vs_adamw_per_seed"] == [1.0, 1.0]
     with pytest.raises(ValueError, match="ran twice from one seed"):
-        lm_convergence.merge_results([sweep, sweep])
+        convergence_report.merge_results([sweep, sweep])
     best_again["config"]["steps"] = 2
     with pytest.raises(ValueError, match=r"\['steps'\] differs"):
-        lm_convergence.merge_results([sweep, best_again])
+        convergence_report.merge_results([sweep, best_again])
     wider["config"]["hyperparameters"]["sonew_tridiag"]["damping"] = "absolute"
     with pytest.raises(ValueError, match="hyperparameters of sonew_tridiag"):
-        lm_convergence.merge_results([sweep, wider])
+        convergence_report.merge_results([sweep, wider])
 
 
 def test_sentencepiece_vocabulary_binds_the_model(tmp_path):
@@ -319,9 +310,9 @@ def test_processes_split_the_sweep_and_combine_to_the_same_runs(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         f"{name}.{suffix}" for name in ("one", "two") for suffix in ("json", "md", "png")
     )  # the shards' files are gone
-    by_key = {lm_convergence.run_key(r): r["curve"] for r in one["runs"]}
+    by_key = {convergence_report.run_key(r): r["curve"] for r in one["runs"]}
     assert len(two["runs"]) == len(by_key) == 3  # one child runs two settings, the other one
-    assert {lm_convergence.run_key(r): r["curve"] for r in two["runs"]} == by_key
+    assert {convergence_report.run_key(r): r["curve"] for r in two["runs"]} == by_key
     strip = ("ms_per_step", "seconds_ratio_vs_adamw")
     assert [{k: v for k, v in row.items() if k not in strip} for row in two["rows"]] == [
         {k: v for k, v in row.items() if k not in strip} for row in one["rows"]
