@@ -36,7 +36,7 @@ import optax
 
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding, solve
-from sonew_pax.optim.chain import ChainLayout, halo_width, norm_pairs, shift
+from sonew_pax.optim.chain import ChainLayout, halo_width, move_rows, norm_pairs, shift
 from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.dispatch import (
     band_of,
@@ -133,19 +133,14 @@ def _tridiagonal_step(
 
 def _row_shift(x: jax.Array, boundary: jax.Array, k: int) -> jax.Array:
     """``x`` moved ``k = 1`` row up (row ``i`` holds row ``i + 1``) or ``k = -1`` down along
-    axis 0, ``boundary`` in the row that then has none (the last, or the first).
-
-    One ``pad`` with a negative edge (dropping a row on one side, adding one on the other) and a
-    select: XLA's TPU compiler fuses that into its consumers, where it writes out the slice of a
-    slice-then-pad or slice-then-concatenate (a TPU tiles the last two axes by ``(8, 128)``, so a
-    row is a sublane: ``benchmarks/tpu_compile.py``); XLA's GPU compiler hoists a
-    ``concatenate`` to the root of the fusion that reads it and emits it operand by operand.
+    axis 0, ``boundary`` in the row that then has none (the last, or the first): a
+    ``chain.move_rows`` and a select, which XLA's TPU compiler fuses into the consumers. (XLA's
+    GPU compiler hoists a ``concatenate`` to the root of the fusion that reads it and emits it
+    operand by operand.)
     """
-    rest = [(0, 0, 0)] * (x.ndim - 1)
-    moved = jax.lax.pad(x, jnp.zeros((), x.dtype), [(-k, k, 0), *rest])
     row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
     at = x.shape[0] - 1 if k > 0 else 0
-    return jnp.where(row == at, jnp.broadcast_to(boundary, x.shape), moved)
+    return jnp.where(row == at, jnp.broadcast_to(boundary, x.shape), move_rows(x, -k))
 
 
 def _materialized(arrays: Any) -> Any:
