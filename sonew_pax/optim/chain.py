@@ -81,6 +81,17 @@ def shift(x: jax.Array, k: int, layout: ChainLayout) -> jax.Array:
     return run(_shift(x, k, layout, 0))
 
 
+def move_rows(x: jax.Array, k: int, axis: int = 0) -> jax.Array:
+    """``x`` moved ``k`` rows along ``axis``: ``y[i] = x[i - k]``, zero where ``i - k`` is off
+    the array. One ``pad`` with a negative edge, which XLA's TPU compiler fuses into its
+    consumers; it writes out the rows a slice keeps before a ``pad`` or ``concatenate`` restores
+    the shape (a TPU tiles the last two axes by ``(8, 128)``, so a row is a sublane:
+    ``benchmarks/tpu_compile.py``)."""
+    config = [(0, 0, 0)] * x.ndim
+    config[axis] = (k, -k, 0)
+    return lax.pad(x, jnp.zeros((), x.dtype), config)
+
+
 def edges_of(last: jax.Array, first: jax.Array, layout: ChainLayout) -> Program:
     """An exchange program returning the chain neighbours of the local block's first and last
     rows along axis 0, from the block's ``last`` rows (``before`` of them) and ``first`` rows

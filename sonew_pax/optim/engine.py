@@ -36,7 +36,7 @@ import optax
 
 from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim import pointwise, sharding, solve
-from sonew_pax.optim.chain import ChainLayout, halo_width, norm_pairs, shift
+from sonew_pax.optim.chain import ChainLayout, halo_width, move_rows, norm_pairs, shift
 from sonew_pax.optim.config import SONewConfig
 from sonew_pax.optim.dispatch import (
     band_of,
@@ -109,7 +109,7 @@ def _tridiagonal_step(
     # The edges hold old boundary rows of the state: the new state (written in place) waits
     # for both, not only for ``post``, which it reads.
     pre, post = _materialized((pre, post))
-    g_after = _successors(raw.g, post[0, 0])
+    g_after = _row_shift(raw.g, post[0, 0], 1)
     m, d = pointwise.moments(raw, hyper)
     # The boundary rows' new moments, from their old ones.
     pre_md, post_md = (pointwise.moments(Raw(*x[:3, 0]), hyper) for x in (pre, post))
@@ -121,11 +121,9 @@ def _tridiagonal_step(
     e_new = e_here[None]
     e_pre = pointwise.edge_statistic(pre[3, 0], pre[0, 0], raw.g[0], hyper)
     here = [raw.g, m, d]
-    after = [g_after] + [
-        jnp.concatenate([x[1:], y[None]]) for x, y in zip((m, d), post_md, strict=True)
-    ]
+    after = [g_after] + [_row_shift(x, y, 1) for x, y in zip((m, d), post_md, strict=True)]
     before = [
-        jnp.concatenate([y[None], x[:-1]])
+        _row_shift(x, y, -1)
         for x, y in zip([*here, e_here], (pre[0, 0], *pre_md, e_pre), strict=True)
     ]
     v = [pointwise.vertex_of_moments(*x, corrections, hyper) for x in (before[:3], here, after)]
@@ -133,14 +131,16 @@ def _tridiagonal_step(
     return Step(pointwise.adam_direction(m, d, corrections, hyper), u, m, d, e_new)
 
 
-def _successors(x: jax.Array, last: jax.Array) -> jax.Array:
-    """``x`` shifted up one row along axis 0, ``last`` its new last row, as a sum of two pads.
-
-    The same values as a ``concatenate``, which XLA's GPU compiler hoists to the root of the fusion
-    that updates ``e`` and then emits operand by operand (its cost: docs/performance.md).
+def _row_shift(x: jax.Array, boundary: jax.Array, k: int) -> jax.Array:
+    """``x`` moved ``k = 1`` row up (row ``i`` holds row ``i + 1``) or ``k = -1`` down along
+    axis 0, ``boundary`` in the row that then has none (the last, or the first): a
+    ``chain.move_rows`` and a select, which XLA's TPU compiler fuses into the consumers. (XLA's
+    GPU compiler hoists a ``concatenate`` to the root of the fusion that reads it and emits it
+    operand by operand.)
     """
-    rest = ((0, 0),) * (x.ndim - 1)
-    return jnp.pad(x[1:], ((0, 1), *rest)) + jnp.pad(last[None], ((x.shape[0] - 1, 0), *rest))
+    row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    at = x.shape[0] - 1 if k > 0 else 0
+    return jnp.where(row == at, jnp.broadcast_to(boundary, x.shape), move_rows(x, -k))
 
 
 def _materialized(arrays: Any) -> Any:
