@@ -29,7 +29,8 @@ def runs(tmp_path_factory, env):  # noqa: F811
     dirs = []
     for attention in ("splash", "xla"):
         model_dir = tmp_path_factory.mktemp(attention)
-        done = run(model_dir, STEPS, env, *CHECK, f'--gin.TransformerConfig.attention="{attention}"')
+        choice = f'--gin.TransformerConfig.attention="{attention}"'
+        done = run(model_dir, STEPS, env, *CHECK, choice)
         assert done.returncode == 0, done.stderr[-3000:]
         assert f"Attention: {attention}" in done.stderr
         dirs.append(model_dir)
@@ -48,7 +49,7 @@ def test_splash_run_agrees_with_its_reference(runs, capsys):
 
 
 def test_a_step_off_by_more_than_rtol_fails_and_is_named(runs, tmp_path, capsys):
-    run_dir, reference_dir = runs
+    _, reference_dir = runs
     records = crosscheck.read_steps(str(reference_dir))
     records[3] = dict(records[3], loss=records[3]["loss"] * 1.05)
     changed = _write_metrics(tmp_path / "changed", records)

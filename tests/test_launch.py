@@ -361,7 +361,8 @@ def test_tpu_pod_check_trains_on_the_slice_then_on_a_cpu_mesh_and_compares(accel
     assert "JAX_PLATFORMS=cpu" in words and "--process_count=1" in words
     train_flags = words[words.index("sonew_pax.train") + 1 : words.index("&&", 3)]
     checked = words[words.index("sonew_pax.crosscheck") + 1 :]
-    model_dirs = [f[len('--gin.MODEL_DIR="'):-1] for f in train_flags if f.startswith("--gin.MODEL_DIR")]
+    prefix = '--gin.MODEL_DIR="'
+    model_dirs = [f[len(prefix) : -1] for f in train_flags if f.startswith(prefix)]
     assert model_dirs[0].startswith("/mnt/gcs/b/run/crosscheck-") and model_dirs[0].endswith("/cpu")
     assert checked[:2] == [model_dirs[0].removesuffix("/cpu") + "/tpu", model_dirs[0]]
     assert f'--gin.MODEL_DIR="{checked[0]}"' in shlex.split(on_slice)

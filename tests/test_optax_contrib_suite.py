@@ -44,7 +44,7 @@ def _suite_namespace() -> dict:
     head, separator, tests = source.partition("class ContribTest(")
     assert separator and tests.count(UNINJECTABLE) == 1, "optax's suite changed its layout"
     namespace = {"__name__": __name__}
-    exec(compile(head, contrib_suite.__file__, "exec"), namespace)  # noqa: S102
+    exec(compile(head, contrib_suite.__file__, "exec"), namespace)
     main = [dict(entry, wrapper_name=None, wrapper_kwargs=None) for entry in SONEW_UNDER_TEST]
     namespace.update(
         _MAIN_OPTIMIZERS_UNDER_TEST=tuple(main),
@@ -52,7 +52,7 @@ def _suite_namespace() -> dict:
         _get_opt_factory=_factory,
     )
     tests = tests.replace(UNINJECTABLE, "'update_proj_gap', 'band']")
-    exec(compile(separator + tests, contrib_suite.__file__, "exec"), namespace)  # noqa: S102
+    exec(compile(separator + tests, contrib_suite.__file__, "exec"), namespace)
     return namespace
 
 
