@@ -9,7 +9,7 @@ optimizer state, so a step whose update differs shows there one step before it s
     python -m sonew_pax.crosscheck RUN_DIR REFERENCE_DIR [--rtol 0.02]
 
 Prints one line per step and exits 0 when every value agrees within ``rtol`` (relative), 1 when
-one does not, 2 when a run's metrics are missing or share no step with the other's.
+one does not, 2 when a run's metrics are missing or its steps are not the other's.
 """
 
 import argparse
@@ -67,17 +67,21 @@ def compare(
     run: Mapping[int, Mapping[str, float | None]],
     reference: Mapping[int, Mapping[str, float | None]],
 ) -> list[Difference]:
-    """Each :data:`COMPARED` value of every step both runs logged, in step order.
+    """Each :data:`COMPARED` value of every step, in step order.
 
     Raises:
-      ValueError: the runs share no step.
+      ValueError: the runs logged different steps (one stopped early, or they share none); the
+        message names the steps only one of them has.
     """
-    steps = sorted(run.keys() & reference.keys())
-    if not steps:
+    if run.keys() != reference.keys():
+        only_run, only_reference = sorted(run.keys() - reference), sorted(reference.keys() - run)
         raise ValueError(
-            f"the runs share no step (run: {sorted(run)[:5]}..., reference: "
-            f"{sorted(reference)[:5]}...)"
+            f"the runs logged different steps: only the run has {only_run[:5] or 'none'}, "
+            f"only the reference {only_reference[:5] or 'none'} (did one stop early?)"
         )
+    steps = sorted(run)
+    if not steps:
+        raise ValueError("the runs logged no training step")
     return [
         Difference(step, name, run[step][name], reference[step][name],
                    relative_difference(run[step][name], reference[step][name]))

@@ -2,7 +2,7 @@
 step. End to end as ``launch/tpu_pod.sh check`` runs it, with the CPU standing in for the TPU:
 the run with splash attention (Pallas, interpreted) against its reference with the einsum form,
 on the same 8-device mesh, agree; a step whose loss is off, a run that logged nothing and runs
-that share no step are told apart by the exit status."""
+that logged different steps (one stopped early) are told apart by the exit status."""
 
 import json
 
@@ -75,4 +75,12 @@ def test_missing_metrics_and_disjoint_steps_exit_2(tmp_path, capsys):
     assert crosscheck.main([str(empty), one]) == 2
     assert "no metrics.jsonl in" in capsys.readouterr().err
     assert crosscheck.main([one, two]) == 2
-    assert "share no step" in capsys.readouterr().err
+    assert "only the run has [1], only the reference [2]" in capsys.readouterr().err
+
+
+def test_a_run_that_stopped_early_exits_2_naming_the_missing_steps(runs, tmp_path, capsys):
+    _, reference_dir = runs
+    records = crosscheck.read_steps(str(reference_dir))
+    shorter = _write_metrics(tmp_path / "shorter", {s: records[s] for s in range(1, STEPS)})
+    assert crosscheck.main([shorter, str(reference_dir)]) == 2
+    assert f"only the reference [{STEPS}]" in capsys.readouterr().err
