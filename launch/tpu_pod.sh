@@ -202,8 +202,11 @@ devices_of() {
 
 check() {
   # The slice's first check: the same few steps on the slice and on worker 0's CPU, compared.
-  local devices="${CHECK_DEVICES:-$(devices_of "$ACCELERATOR_TYPE")}" steps="${CHECK_STEPS:-8}"
-  local shrink flags dir tpu_dir cpu_dir
+  local devices="${CHECK_DEVICES:-}" steps="${CHECK_STEPS:-8}" shrink flags dir tpu_dir cpu_dir
+  # Apart from `local`, whose status would hide devices_of's failure.
+  [[ -n "$devices" ]] || devices="$(devices_of "$ACCELERATOR_TYPE")" || exit 2
+  [[ "$devices" =~ ^[1-9][0-9]*$ ]] || die "CHECK_DEVICES must be a positive integer, got '$devices'"
+  [[ "$steps" =~ ^[1-9][0-9]*$ ]] || die "CHECK_STEPS must be a positive integer, got '$steps'"
   shrink="${CHECK_FLAGS:---gin.TransformerConfig.num_layers=2 --gin.BATCH_SIZE=$((2 * devices)) \
 --gin.learning_rate_schedule.warmup_steps=2 --gin.CHECKPOINT_PERIOD=$steps --gin.EVAL_PERIOD=$steps}"
   dir="$(run_dir)/crosscheck-$(date -u +%Y%m%d-%H%M%S)"

@@ -377,3 +377,17 @@ def test_tpu_pod_check_trains_on_the_slice_then_on_a_cpu_mesh_and_compares(accel
         assert gin.query_parameter("%BATCH_SIZE") == 2 * devices
     finally:
         gin.clear_config()
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"ACCELERATOR_TYPE": "v4-foo"}, "cannot read the size of ACCELERATOR_TYPE 'v4-foo'"),
+        ({"CHECK_DEVICES": "0"}, "CHECK_DEVICES must be a positive integer, got '0'"),
+        ({"CHECK_STEPS": "x"}, "CHECK_STEPS must be a positive integer, got 'x'"),
+    ],
+)
+def test_tpu_pod_check_refuses_a_device_count_or_step_count_it_cannot_use(setting, message):
+    result = run_script("tpu_pod.sh", "check", env=TPU_ENV | {"DRY_RUN": "1"} | setting)
+    assert result.returncode == 2 and message in result.stderr
+    assert "sonew_pax.train" not in result.stdout
