@@ -28,8 +28,9 @@ Rules kept here:
   restore, and is set aside again on the next start).
 - A save that fails (a write error in orbax's background thread, e.g. a full disk or a file-size
   limit) is found when its write ends: at the next step in single-process runs (`save_failed`),
-  at the next save or at `close` otherwise. Its unfinished directory is removed (the run that
-  wrote it knows it failed) and the save is retried at once with the state of that moment,
+  at the next save or at `close` otherwise. Once all of its writes have ended (orbax reports the
+  first failed one while the others still write), its unfinished directory is removed (the run
+  that wrote it knows it failed) and the save is retried at once with the state of that moment,
   waiting ``backoff_s``, then twice as long, ..., up to ``retries`` times; `SaveError` then stops
   the run. So a failure loses at most the steps since the previous successful save, and the
   ``keep`` limit deletes an old checkpoint only once a newer one is complete. ``.partial``
@@ -53,6 +54,7 @@ Rules kept here:
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple, TypeVar
@@ -164,6 +166,18 @@ def _first_line(error: Exception) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
+def _writers_started(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The threads started since ``before`` (a `threading.enumerate` snapshot) that are orbax
+    futures: orbax runs each write of a save in a thread that is its own future (``result()``
+    waits for the write to end: orbax's `Future` protocol). The worker threads of the pools it
+    also starts are not futures and wait for work until the process ends."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before and callable(getattr(thread, "result", None))
+    ]
+
+
 def _free_name(path: epath.Path, suffix: str) -> epath.Path:
     """A free name ``<path><suffix>`` (or ``<suffix>-1``, ``-2``, ...) next to ``path``."""
     candidate = path.with_name(path.name + suffix)
@@ -202,6 +216,7 @@ class Checkpoints:
         self._pending: int | None = None  # the step whose background write has not been checked
         self._failure: Exception | None = None  # why the last checked write failed
         self._failed_steps: set[int] = set()  # steps whose saves failed, for `_remove_failed`
+        self._writers: list[threading.Thread] = []  # the last save's, for `_join_writers`
         # Object stores have no atomic rename: a commit file marks complete saves (orbax's own
         # default for gs://; set explicitly so s3:// and az:// get it too). Local: orbax's default.
         cloud_options = (
@@ -313,12 +328,15 @@ class Checkpoints:
         Returns:
           Why the write failed (its directory removed), or None: written, or still writing.
         """
+        before = set(threading.enumerate())
         try:
             self._manager.save(step, args=items, force=True)
         except Exception as error:  # the part before the background thread: mkdir, metadata
             logging.error("Checkpoint save at step %d failed: %s", step, _first_line(error))
+            self._writers = _writers_started(before)
             self._reclaim_failed(step)
             return error
+        self._writers = _writers_started(before)
         self._pending = step
         if wait:
             self._settle()
@@ -341,7 +359,8 @@ class Checkpoints:
     def _settle(self) -> None:
         """Waits for the pending background write, if any, and sets `_failure` to how it
         ended: on success (None) applies the ``keep`` limit and removes superseded partial
-        saves; on failure (the error) removes the write's directory."""
+        saves; on failure (the error) waits for the write's other writers and removes its
+        directory."""
         step, self._pending = self._pending, None
         if step is None:
             return
@@ -356,6 +375,7 @@ class Checkpoints:
             self._failure = error
             self._reclaim_failed(step)
             return
+        self._writers = []  # all ended: orbax waited for each
         self._prune()
         self._remove_partials(up_to=step)
         self._remove_failed()
@@ -367,19 +387,39 @@ class Checkpoints:
                 self._manager.delete(step)
 
     def _reclaim_failed(self, step: int) -> None:
-        """Notes that the save of ``step`` failed and removes what it left (`_remove_failed`)."""
+        """Notes that the save of ``step`` failed, waits for its writers (`_join_writers`) and
+        removes what it left (`_remove_failed`)."""
+        self._join_writers()
         self._failed_steps.add(step)
         self._remove_failed()
         self._reload()
 
-    def _remove_failed(self) -> None:
-        """Removes the unfinished directories of failed saves (process 0; none is pending).
+    def _join_writers(self) -> None:
+        """Waits until every writer thread of the last save has ended; their errors are only
+        logged (the save's failure is already known).
 
-        Orbax stops waiting for a save at its first failed write while others may still write
-        into its directory (and recreate it): so this runs again after each retry's wait, after
-        each complete save and at `close`, and a directory still being written is left for the
-        next time (or, after a restart, set aside as ``.partial`` and removed once its step is
-        saved).
+        Orbax waits for a save's items one by one and stops at the first that fails, while the
+        other items' writers go on writing into the save's temporary directory (recreating
+        parts of it). Removing that directory, or retrying the save (orbax writes the retry into
+        the same temporary directory, removing it first), while they run races with them: the
+        retry fails with their errors (a file not found, a directory not empty) instead of its
+        own, and files reappear after the removal. Waiting costs the time the failed save takes
+        to write its other items.
+        """
+        writers, self._writers = self._writers, []
+        for writer in writers:
+            try:
+                writer.result()
+            except Exception as error:
+                logging.info("A writer of the failed save ended with %s", _first_line(error))
+
+    def _remove_failed(self) -> None:
+        """Removes the unfinished directories of failed saves (process 0; none is pending, and
+        their writers have ended: `_join_writers`).
+
+        A directory that cannot be removed (an error from the storage) is tried again after each
+        retry's wait, after each complete save and at `close` (and, after a restart, is set
+        aside as ``.partial`` and removed once its step is saved).
         """
         if jax.process_index() != 0:
             return
