@@ -215,7 +215,7 @@ class Checkpoints:
         self._backoff_s = backoff_s
         self._pending: int | None = None  # the step whose background write has not been checked
         self._failure: Exception | None = None  # why the last checked write failed
-        self._failed_steps: set[int] = set()  # steps whose saves failed, for `_remove_failed`
+        self._failed_steps: set[int] = set()  # failed saves whose files are not yet removed
         self._writers: list[threading.Thread] = []  # the last save's, for `_join_writers`
         # Object stores have no atomic rename: a commit file marks complete saves (orbax's own
         # default for gs://; set explicitly so s3:// and az:// get it too). Local: orbax's default.
@@ -390,7 +390,8 @@ class Checkpoints:
         """Notes that the save of ``step`` failed, waits for its writers (`_join_writers`) and
         removes what it left (`_remove_failed`)."""
         self._join_writers()
-        self._failed_steps.add(step)
+        if jax.process_index() == 0:  # the process that removes them (`_remove_failed`)
+            self._failed_steps.add(step)
         self._remove_failed()
         self._reload()
 
@@ -423,14 +424,18 @@ class Checkpoints:
         """
         if jax.process_index() != 0:
             return
+        left: set[int] = set()
         for path in unfinished_saves(self.model_dir):
-            if _step_of(path) in self._failed_steps:
+            step = _step_of(path)
+            if step in self._failed_steps:
                 try:
                     path.rmtree()
                 except OSError as error:
                     logging.info("Removing %s later: %s", path, error)
+                    left.add(step)
                     continue
                 logging.warning("Removed %s, left by the failed save.", path)
+        self._failed_steps = left
 
     def _remove_partials(self, up_to: int) -> None:
         """Removes the ``.partial`` directories (saves that never finished, set aside at
