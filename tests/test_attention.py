@@ -161,6 +161,20 @@ def test_fused_cross_entropy_equals_the_softmax_cross_entropy_of_the_logits(dtyp
     assert float(weight_sum) == float(weights.sum())
 
 
+def test_one_pass_logsumexp_equals_the_float64_logsumexp():
+    """Rows far from 0, of mixed scales, with -inf entries, and one of -inf only."""
+    x = np.random.default_rng(0).normal(size=(5, 1000)) * np.array([[1], [30], [1], [1], [1]])
+    x[0] += 1e4
+    x[2] -= 1e4
+    x[3, ::3] = -np.inf
+    x[4] = -np.inf
+    got = np.asarray(losses.logsumexp_one_pass(jnp.asarray(x, jnp.float32)))
+    top = np.max(x[:4], axis=1, keepdims=True)
+    want = top[:, 0] + np.log(np.sum(np.exp(x[:4] - top), axis=1))
+    np.testing.assert_allclose(got[:4], want, rtol=1e-6)
+    assert got[4] == -np.inf
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 def test_remat_policies_compute_the_same_gradient(scan_layers):
     tokens = jax.random.randint(jax.random.key(5), (2, 16), 0, TINY.vocab_size)

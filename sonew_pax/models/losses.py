@@ -8,7 +8,9 @@ the gradient of the loss with respect to them, ``softmax(logits) - onehot(target
 compute dtype. The backward pass scales that gradient by each token's weight and cotangent and
 runs the two matrix products in the compute dtype with float32 accumulation, as every other layer
 of the model does. Memory: one chunk of float32 logits at a time and one compute-dtype gradient
-of the logits, instead of float32 logits, their softmax and their gradient.
+of the logits, instead of float32 logits, their softmax and their gradient. Passes over a chunk's
+float32 logits: written by the matrix product, read by a one-pass log-sum-exp
+(`logsumexp_one_pass`), read by the gradient.
 """
 
 from __future__ import annotations
@@ -43,12 +45,39 @@ def _from_chunks(x: jax.Array) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])
 
 
+def _combine_exp_sums(a, b):
+    """Merges two partial sums ``(max m, sum of exp(x - m))`` of exponentials into one."""
+    (m_a, s_a), (m_b, s_b) = a, b
+    m = jnp.maximum(m_a, m_b)
+    shift = jnp.where(jnp.isneginf(m), 0.0, m)  # both empty: exp(-inf - 0) = 0, not nan
+    return m, s_a * jnp.exp(m_a - shift) + s_b * jnp.exp(m_b - shift)
+
+
+def logsumexp_one_pass(x: jax.Array) -> jax.Array:
+    """``log(sum(exp(x)))`` over the last axis of a float32 ``x``, in one read of ``x``.
+
+    ``jax.nn.logsumexp`` reduces twice (the max, then the sum of shifted exponentials), and on the
+    float32 logits of a large vocabulary each reduction is a pass over memory. One variadic
+    reduction carries both: each partial result is ``(m, sum of exp(x - m))`` and merging two
+    rescales the smaller one's sum (the online softmax). Each element costs two exponentials
+    instead of one, which a memory-bound pass hides; under a sharded last axis the partial pairs
+    (one per row and shard) are gathered, not the rows.
+    """
+    m, s = jax.lax.reduce(
+        (x, jnp.ones_like(x)),
+        (jnp.array(-jnp.inf, x.dtype), jnp.array(0, x.dtype)),
+        _combine_exp_sums,
+        (x.ndim - 1,),
+    )
+    return m + jnp.log(s)
+
+
 def _chunk_forward(kernel: jax.Array, chunk: tuple[jax.Array, jax.Array]):
     """One chunk's per-token losses ``logsumexp - logit[target]`` (float32) and the gradient of
     each token's loss with respect to its logits, ``softmax - onehot`` (in the features' dtype)."""
     features, targets = chunk
     logits = jnp.einsum("bcd,dv->bcv", features, kernel, preferred_element_type=jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
+    lse = logsumexp_one_pass(logits)
     target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     probs = jnp.exp(logits - lse[..., None])
     onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=jnp.float32)
@@ -83,12 +112,16 @@ def _weighted_loss_sum_bwd(chunk_tokens, residuals, cotangent):
     features, kernel, weights, logit_grads = residuals
     chunk = logit_grads.shape[2]
     scale = _to_chunks(cotangent * weights, chunk)[..., None]
-    d_features = jnp.einsum(
-        "nbcv,dv->nbcd", logit_grads, kernel, preferred_element_type=jnp.float32
+    # Contracting dimensions spelled out in the stored order: from einsum's "nbcd,nbcv->dv" the
+    # GPU compiler received them as (c, n, b) and transposed the whole logits' gradient to match.
+    d_features = jax.lax.dot_general(
+        logit_grads, kernel, (((3,), (1,)), ((), ())), preferred_element_type=jnp.float32
     )
     d_features = _from_chunks(scale * d_features).astype(features.dtype)
     scaled = (scale * _to_chunks(features, chunk)).astype(features.dtype)
-    d_kernel = jnp.einsum("nbcd,nbcv->dv", scaled, logit_grads, preferred_element_type=jnp.float32)
+    d_kernel = jax.lax.dot_general(
+        scaled, logit_grads, (((0, 1, 2), (0, 1, 2)), ((), ())), preferred_element_type=jnp.float32
+    )
     return d_features, d_kernel.astype(kernel.dtype), None, None
 
 
