@@ -52,7 +52,6 @@ Rules kept here:
   check the same checksums, skip a checkpoint that fails and rename nothing.
 """
 
-import json
 import os
 import threading
 import time
@@ -62,19 +61,24 @@ from typing import Any, NamedTuple, TypeVar
 import jax
 import orbax.checkpoint as ocp
 from absl import logging
-from etils import epath
 from jax.experimental import multihost_utils
 
 from sonew_pax import integrity, paths
+from sonew_pax.checkpoint_layout import (
+    COMMIT_FILE,
+    CORRUPT_SUFFIX,
+    ORBAX_TMP_MARKER,
+    PARTIAL_SUFFIX,
+    STEP_PREFIX,
+    checkpoint_dir,
+    free_name,
+    step_of,
+    unfinished_saves,
+    was_committed,
+)
 from sonew_pax.errors import RunError
 from sonew_pax.train_state import PyTree, TrainState
 
-STEP_PREFIX = "checkpoint"
-CORRUPT_SUFFIX = ".corrupt"
-PARTIAL_SUFFIX = ".partial"
-ORBAX_TMP_MARKER = ".orbax-checkpoint-tmp"
-COMMIT_FILE = "commit_success.txt"
-STEP_METADATA_FILE = "_CHECKPOINT_METADATA"
 ITEMS = ("state", "data", "manifest")
 T = TypeVar("T")
 # How many differing arrays a config-mismatch message lists.
@@ -110,38 +114,6 @@ class Restored(NamedTuple):
     run: dict[str, Any]
 
 
-def checkpoint_dir(model_dir: str | os.PathLike, step: int) -> epath.Path:
-    """Where the checkpoint of ``step`` lives."""
-    return paths.as_path(model_dir) / f"{STEP_PREFIX}_{step}"
-
-
-def unfinished_saves(model_dir: str | os.PathLike) -> list[epath.Path]:
-    """Saves that never finished: orbax's temporary directories, and on object stores the
-    ``checkpoint_<step>`` directories without their commit file."""
-    model_dir = paths.as_path(model_dir)
-    found = list(model_dir.glob(f"{STEP_PREFIX}_*{ORBAX_TMP_MARKER}*"))
-    if paths.is_cloud(model_dir):
-        for path in model_dir.glob(f"{STEP_PREFIX}_*"):
-            step = path.name.removeprefix(f"{STEP_PREFIX}_")
-            if step.isdigit() and path.is_dir() and not (path / COMMIT_FILE).exists():
-                found.append(path)
-    return sorted(found, key=str)
-
-
-def was_committed(path: epath.Path) -> bool:
-    """Whether orbax finished writing the checkpoint ``path`` (its step metadata has a commit time).
-
-    Orbax records the commit time after all data is written and just before the rename (local) or
-    the commit file (object stores), so this holds for complete checkpoints of both kinds, e.g. one
-    written through a gcsfuse mount (renamed, no commit file) now read as gs://.
-    """
-    try:
-        metadata = json.loads((path / STEP_METADATA_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(metadata, dict) and metadata.get("commit_timestamp_nsecs") is not None
-
-
 def _listed(list_checkpoints: Callable[[], T]) -> T:
     """``list_checkpoints()`` (orbax listing MODEL_DIR), tried again, up to `LISTING_ATTEMPTS`
     times, when a checkpoint vanishes while it reads their metadata."""
@@ -151,13 +123,6 @@ def _listed(list_checkpoints: Callable[[], T]) -> T:
         except (FileNotFoundError, NotADirectoryError) as error:
             logging.warning("A checkpoint vanished while listed (%s); listing again.", error)
     return list_checkpoints()
-
-
-def _step_of(path: epath.Path) -> int | None:
-    """The step of a ``checkpoint_<step>`` directory, also under a suffix (``.partial``,
-    orbax's temporary marker); None for other names."""
-    step = path.name.removeprefix(f"{STEP_PREFIX}_").split(".")[0]
-    return int(step) if step.isdigit() else None
 
 
 def _first_line(error: Exception) -> str:
@@ -176,16 +141,6 @@ def _writers_started(before: set[threading.Thread]) -> list[threading.Thread]:
         for thread in threading.enumerate()
         if thread not in before and callable(getattr(thread, "result", None))
     ]
-
-
-def _free_name(path: epath.Path, suffix: str) -> epath.Path:
-    """A free name ``<path><suffix>`` (or ``<suffix>-1``, ``-2``, ...) next to ``path``."""
-    candidate = path.with_name(path.name + suffix)
-    index = 0
-    while candidate.exists():
-        index += 1
-        candidate = path.with_name(f"{path.name}{suffix}-{index}")
-    return candidate
 
 
 class Checkpoints:
@@ -426,7 +381,7 @@ class Checkpoints:
             return
         left: set[int] = set()
         for path in unfinished_saves(self.model_dir):
-            step = _step_of(path)
+            step = step_of(path)
             if step in self._failed_steps:
                 try:
                     path.rmtree()
@@ -443,7 +398,7 @@ class Checkpoints:
         if jax.process_index() != 0:
             return
         for path in self.model_dir.glob(f"{STEP_PREFIX}_*{PARTIAL_SUFFIX}*"):
-            step = _step_of(path)
+            step = step_of(path)
             if step is not None and step <= up_to:
                 try:
                     path.rmtree()
@@ -467,7 +422,7 @@ class Checkpoints:
                 logging.warning("Checkpoint %s had no %s; marked complete.", path, COMMIT_FILE)
                 continue
             name = path.name.split(ORBAX_TMP_MARKER)[0]
-            target = _free_name(path.with_name(name), PARTIAL_SUFFIX)
+            target = free_name(path.with_name(name), PARTIAL_SUFFIX)
             path.rename(target)
             logging.warning("Unfinished checkpoint save %s ignored; moved to %s.", path, target)
 
@@ -614,7 +569,7 @@ class Checkpoints:
         if steps and jax.process_index() == 0:
             for step in steps:
                 path = checkpoint_dir(self.model_dir, step)
-                target = _free_name(path, CORRUPT_SUFFIX)
+                target = free_name(path, CORRUPT_SUFFIX)
                 path.rename(target)
                 logging.warning("Moved unreadable checkpoint %s to %s.", path, target)
         if steps and jax.process_count() > 1:

@@ -14,7 +14,7 @@ from etils.epath import backend as epath_backend
 from etils.epath import gpath
 from orbax.checkpoint._src.path import gcs_utils
 
-from sonew_pax import checkpoints, loop, metrics, paths
+from sonew_pax import checkpoint_layout, checkpoints, loop, metrics, paths
 from sonew_pax.train_state import TrainState
 
 RUN = "gs://bucket/run"
@@ -169,8 +169,9 @@ def test_unfinished_cloud_saves_set_aside(fake_gcs, monkeypatch):
     committed = {"commit_timestamp_nsecs": 1}
     layout = {
         "checkpoint_3": {"state/x": "partial"},  # killed mid-save: no commit file, no commit time
-        "checkpoint_4": {checkpoints.STEP_METADATA_FILE: json.dumps(committed)},  # via gcsfuse
-        "checkpoint_5": {checkpoints.COMMIT_FILE: "ok"},
+        # written through gcsfuse: renamed, no commit file, a commit time
+        "checkpoint_4": {checkpoint_layout.STEP_METADATA_FILE: json.dumps(committed)},
+        "checkpoint_5": {checkpoint_layout.COMMIT_FILE: "ok"},
     }
     for name, files in layout.items():
         for file, text in files.items():
@@ -193,7 +194,7 @@ def test_unfinished_cloud_saves_set_aside(fake_gcs, monkeypatch):
         "checkpoint_5",
     ]
     assert (run / "checkpoint_3.partial" / "state" / "x").read_text() == "partial"
-    assert (run / "checkpoint_4" / checkpoints.COMMIT_FILE).exists()
+    assert (run / "checkpoint_4" / checkpoint_layout.COMMIT_FILE).exists()
     assert checkpoints.unfinished_saves(RUN) == []
 
 
