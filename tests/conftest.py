@@ -69,7 +69,7 @@ MODULE_COST = {
     "test_apply": 57,
     "test_tpu_export": 57,
     "test_lm_convergence_smoke": 54,
-    "test_benchmarks_smoke": 51,
+    "test_benchmarks_smoke": 55,
     "test_stacked": 51,
     "test_tpu_kernel": 36,
     "test_damping": 33,

@@ -25,6 +25,7 @@ from benchmarks import (
     lowering,
     profile_update,
     sharded_update,
+    step_traffic,
     tpu_compile,
     train_step,
     update_speed,
@@ -687,3 +688,77 @@ def test_update_speed_with_stacked_layers(tmp_path, monkeypatch):
     assert written["config"]["stack_layers"] is True
     assert given[-1] == {"embedding": 0, "layers": 1, "final_norm": 0}
     assert [r["optimizer"] for r in written["rows"]] == ["copy", "sonew_tridiag"]
+
+
+_LOOP_MODULE = """HloModule loop
+
+%fused_stash (param_0: f32[4,8,128], param_1: f32[8,128], param_2: s32[]) -> f32[4,8,128] {
+  %param_0 = f32[4,8,128]{2,1,0} parameter(0)
+  %param_1 = f32[8,128]{1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %negate.1 = f32[8,128]{1,0} negate(%param_1)
+  %bitcast.1 = f32[1,8,128]{2,1,0} bitcast(%negate.1)
+  %zero = s32[] constant(0)
+  ROOT %dynamic-update-slice.1 = f32[4,8,128]{2,1,0} dynamic-update-slice(%param_0, %bitcast.1, %param_2, %zero, %zero)
+}
+
+%body (carry: (f32[4,8,128], f32[8,128], s32[])) -> (f32[4,8,128], f32[8,128], s32[]) {
+  %carry = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}, s32[]) parameter(0)
+  %stack = f32[4,8,128]{2,1,0} get-tuple-element(%carry), index=0
+  %x = f32[8,128]{1,0} get-tuple-element(%carry), index=1
+  %i = s32[] get-tuple-element(%carry), index=2
+  %fusion.1 = f32[4,8,128]{2,1,0} fusion(%stack, %x, %i), kind=kLoop, calls=%fused_stash, metadata={op_name="jit(f)/while/body/layer_3/stash"}
+  ROOT %tuple.1 = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}, s32[]) tuple(%fusion.1, %x, %i)
+}
+
+%cond (carry: (f32[4,8,128], f32[8,128], s32[])) -> pred[] {
+  %carry = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}, s32[]) parameter(0)
+  ROOT %true = pred[] constant(true)
+}
+
+%fused_dot (param_0: f32[8,128], param_1: f32[128,64]) -> f32[8,64] {
+  %param_0 = f32[8,128]{1,0} parameter(0)
+  %param_1 = f32[128,64]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,64]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[4,8,128], b: f32[8,128], w: f32[128,64]) -> f32[8,64] {
+  %a = f32[4,8,128]{2,1,0} parameter(0)
+  %b = f32[8,128]{1,0} parameter(1)
+  %w = f32[128,64]{1,0} parameter(2)
+  %i0 = s32[] constant(0)
+  %init = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}, s32[]) tuple(%a, %b, %i0)
+  %while.1 = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0}, s32[]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  ROOT %fusion.2 = f32[8,64]{1,0} fusion(%b, %w), kind=kCustom, calls=%fused_dot, metadata={op_name="jit(f)/layer_0/proj/dot_general"}
+}
+"""  # noqa: E501
+
+
+def test_step_traffic_counts_loops_in_place_updates_and_matrix_flops():
+    """Each of the loop's 4 trips reads its 4 KiB row and its index and writes the row into the
+    stack in place (not the 16 KiB stack); the product reads 4 KiB and 32 KiB, writes 2 KiB, and
+    does 2 * 8 * 64 * 128 FLOPs. Layers merge under one name."""
+    page = 8 * 128 * 4
+    found = {x["op"]: x for x in step_traffic.launches(_LOOP_MODULE)}
+    assert found["while/body/layer_N/stash"] == {
+        "op": "while/body/layer_N/stash", "bytes": 4 * (2 * page + 4), "flops": 0, "launches": 4
+    }  # fmt: skip
+    assert found["layer_N/proj/dot_general"] == {
+        "op": "layer_N/proj/dot_general",
+        "bytes": page + 128 * 64 * 4 + 8 * 64 * 4,
+        "flops": 2 * 8 * 64 * 128,
+        "launches": 1,
+    }
+
+
+def test_step_traffic_smoke(tmp_path):
+    """The tiny model's step compiled for this host's device, for AdamW and SONew."""
+    out = tmp_path / "step_traffic.json"
+    argv = ["--model", "tiny", "--dtype", "float32", "--batch_size", "2", "--seq_len", "16"]
+    argv += ["--optimizers", "adamw,sonew_tridiag_auto", "--top", "3", "--out", str(out)]
+    written = json.loads(out.read_text()) if step_traffic.main(argv) else {}
+    assert [r["optimizer"] for r in written["rows"]] == ["adamw", "sonew_tridiag_auto"]
+    for row in written["rows"]:
+        assert len(row["top"]) == 3 and row["matmul_tflop"] > 0
+        assert sum(t["gb"] for t in row["top"]) <= row["gb"]
+    assert written["rows"][1]["gb"] > written["rows"][0]["gb"]  # SONew's state moves more

@@ -11,6 +11,7 @@ import functools
 import hashlib
 import importlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -558,7 +559,8 @@ def test_unknown_implementation_is_named():
 def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypatch):
     """``implementation="auto"`` (the default): XLA off GPU; on GPU the kernels under a mesh
     (``shard_map`` knows which tensors are whole) or on one device, XLA without a mesh on several
-    devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel)."""
+    devices (the caller's ``jit`` may shard the arrays, and cannot partition a kernel). The
+    platform is the mesh's devices', without a mesh the default backend's."""
     # (by module path: the package exports the function sonew(), not the module)
     enable = importlib.import_module("sonew_pax.optim.dispatch").kernels_enabled
 
@@ -567,9 +569,12 @@ def test_auto_takes_the_kernels_on_gpu_only_where_jit_cannot_shard_them(monkeypa
 
     mesh = make_mesh((2, 4))
     assert not enabled("xla", mesh) and enabled("pallas", None)
-    assert enabled("auto", mesh) == (jax.default_backend() == "gpu")
+    assert enabled("auto", mesh) == (mesh.devices.flat[0].platform == "gpu")
+    # Under a mesh, its devices' platform decides (a GPU compiled for from a CPU host).
+    gpu_mesh = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")] * 8))
+    assert enabled("auto", gpu_mesh)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert enabled("auto", mesh)
+    assert enabled("auto", mesh) == (mesh.devices.flat[0].platform == "gpu")
     assert not enabled("auto", None)  # conftest's 8 CPU devices, no mesh
     monkeypatch.setattr(jax, "device_count", lambda: 1)
     assert enabled("auto", None)

@@ -31,10 +31,11 @@ def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> Ker
 
     ``"pallas"``: on any backend: the GPU kernels, or on a TPU its kernels
     (``KernelConfig.platform``); off their platform in Pallas' interpreter (slow, for tests).
-    ``"auto"``: on GPU, under ``mesh`` (``shard_map`` then says which tensors are whole on the
-    device) or on a one-device process; without a mesh on several devices the arrays may be
-    sharded by the caller's ``jit``, which cannot partition a kernel (it would gather every
-    tensor), so XLA runs.
+    ``"auto"``: on GPU (``mesh``'s devices, else the default backend's: a step compiled for a GPU
+    from a host without one gets the kernels), under ``mesh`` (``shard_map`` then says which
+    tensors are whole on the device) or on a one-device process; without a mesh on several
+    devices the arrays may be sharded by the caller's ``jit``, which cannot partition a kernel
+    (it would gather every tensor), so XLA runs.
     ``"xla"``: never.
 
     Args:
@@ -48,8 +49,14 @@ def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> Ker
     if implementation != "auto":
         enabled = implementation == "pallas"
     else:
-        enabled = jax.default_backend() == "gpu" and (mesh is not None or jax.device_count() == 1)
+        enabled = _platform_of(mesh) == "gpu" and (mesh is not None or jax.device_count() == 1)
     return config if enabled else None
+
+
+def _platform_of(mesh: Any) -> str:
+    """The platform of ``mesh``'s devices; the default backend's without a mesh of devices."""
+    devices = getattr(mesh, "devices", None)
+    return devices.flat[0].platform if devices is not None else jax.default_backend()
 
 
 def interpreted(kernels: KernelConfig | None = None) -> bool:
