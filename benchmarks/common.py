@@ -547,6 +547,41 @@ def hlo_sliced_reads(fused: list[tuple], through_bitcasts: bool = True) -> dict[
     return {k: read for k, read in reads.items() if read is not None}
 
 
+def hlo_launch_bytes(
+    computations: dict[str, list[str]],
+    sizes: dict[str, int],
+    instruction: tuple[str, str, str, list[str], str],
+    in_place: bool = False,
+) -> int:
+    """The bytes one launch moves (:func:`hlo_traffic`'s rule): its outputs and its operands
+    (``sizes`` by name), a fusion's operand read only through slices at the slices' size; with
+    ``in_place``, a fusion rooted in a dynamic-update-slice (which XLA runs in the buffer it
+    updates) at the update it writes, the updated operand unread."""
+    name, _, opcode, operands, line = instruction
+    reads, written = {}, sizes[name]
+    if opcode == "fusion":
+        body = hlo_fused(computations, line)
+        reads = hlo_sliced_reads(body)
+        update = _in_place_update(body) if in_place else None
+        if update is not None:
+            base, written = update
+            reads = reads | ({} if base is None else {base: 0})
+    return written + sum(reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands))
+
+
+def _in_place_update(body: list[tuple]) -> tuple[int | None, int] | None:
+    """For a fused computation whose root is a ``dynamic-update-slice``: the index of the
+    parameter it updates (None if not a parameter) and the bytes of the update; else None."""
+    roots = [i for i in body if i[4].lstrip().startswith("ROOT")]
+    if not roots or roots[0][2] != "dynamic-update-slice":
+        return None
+    base, update = roots[0][3][:2]
+    shapes = {name: shape for name, shape, _, _, _ in body}
+    index = re.search(r"parameter\((\d+)\)", next((i[4] for i in body if i[0] == base), ""))
+    written = sum(b for b, _ in hlo_arrays(shapes.get(update, "")))
+    return (int(index.group(1)) if index else None), written
+
+
 def hlo_traffic(hlo_text: str) -> int:
     """An estimate of the bytes a compiled program's launches move through device memory: per
     fusion, custom call (such as a Pallas kernel) or other data-moving instruction of the entry
@@ -559,15 +594,11 @@ def hlo_traffic(hlo_text: str) -> int:
     computations = hlo_computations(hlo_text)
     sizes: dict[str, int] = {}
     total = 0
-    for name, shape, opcode, operands, line in hlo_instructions(computations[hlo_entry(hlo_text)]):
+    for instruction in hlo_instructions(computations[hlo_entry(hlo_text)]):
+        name, shape, opcode = instruction[:3]
         sizes[name] = sum(b for b, _ in hlo_arrays(shape))
-        if opcode in HLO_NO_TRAFFIC:
-            continue
-        reads = {}
-        if opcode == "fusion":
-            reads = hlo_sliced_reads(hlo_fused(computations, line))
-        total += sizes[name]
-        total += sum(reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands))
+        if opcode not in HLO_NO_TRAFFIC:
+            total += hlo_launch_bytes(computations, sizes, instruction)
     return total
 
 

@@ -47,12 +47,13 @@ def _dot_flops(computations: dict, line: str) -> int:
         body = computations.get(pending.pop(), [])
         lines += body
         pending += [c for text in body for c in re.findall(r"calls=%([\w.\-]+)", text)]
+    instructions = common.hlo_instructions(lines)
     dims = {}
-    for name, shape, _, _, _ in (i for text in lines for i in common.hlo_instructions([text])):
+    for name, shape, _, _, _ in instructions:
         arrays = common.HLO_ARRAY.findall(shape)
         if len(arrays) == 1:
             dims[name] = [int(d) for d in arrays[0][1].split(",") if d]
-    for name, _, opcode, operands, text in (i for t in lines for i in common.hlo_instructions([t])):
+    for name, _, opcode, operands, text in instructions:
         if opcode != "dot" or operands[0] not in dims:
             continue
         contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", text).group(1)
@@ -64,20 +65,6 @@ def _dot_flops(computations: dict, line: str) -> int:
             outputs *= d
         return 2 * outputs * size
     return 0
-
-
-def _in_place_update(body: list[tuple]) -> tuple[int | None, int] | None:
-    """For a fused computation (its ``common.hlo_instructions``) whose root is a
-    ``dynamic-update-slice``, which XLA runs in place: the index of the parameter it updates
-    (None if not a parameter) and the bytes of the update it writes; else None."""
-    roots = [i for i in body if i[4].lstrip().startswith("ROOT")]
-    if not roots or roots[0][2] != "dynamic-update-slice":
-        return None
-    base, update = roots[0][3][:2]
-    shapes = {name: shape for name, shape, _, _, _ in body}
-    index = re.search(r"parameter\((\d+)\)", next((i[4] for i in body if i[0] == base), ""))
-    written = sum(b for b, _ in common.hlo_arrays(shapes.get(update, "")))
-    return (int(index.group(1)) if index else None), written
 
 
 def _op_of(line: str, opcode: str) -> str:
@@ -97,7 +84,8 @@ def launches(text: str) -> list[dict]:
 
     def walk(name: str, times: int) -> None:
         sizes = {}
-        for inst, shape, opcode, operands, line in common.hlo_instructions(computations[name]):
+        for instruction in common.hlo_instructions(computations[name]):
+            inst, shape, opcode, _, line = instruction
             sizes[inst] = sum(b for b, _ in common.hlo_arrays(shape))
             if opcode == "while":
                 trips = _TRIP_COUNT.search(line)
@@ -106,17 +94,7 @@ def launches(text: str) -> list[dict]:
                 continue
             if opcode in common.HLO_NO_TRAFFIC:
                 continue
-            reads, written = {}, sizes[inst]
-            if opcode == "fusion":
-                body = common.hlo_fused(computations, line)
-                reads = common.hlo_sliced_reads(body)
-                in_place = _in_place_update(body)
-                if in_place:  # writes the update into its operand's buffer, reads none of it
-                    base, written = in_place
-                    reads = reads | ({} if base is None else {base: 0})
-            moved = written + sum(
-                reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands)
-            )
+            moved = common.hlo_launch_bytes(computations, sizes, instruction, in_place=True)
             found.append(
                 {
                     "op": _op_of(line, opcode),
