@@ -33,10 +33,9 @@ def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> Ker
     (``KernelConfig.platform``); off their platform in Pallas' interpreter (slow, for tests).
     ``"auto"``: on GPU (``mesh``'s devices, else the default backend's: a step compiled for a GPU
     from a host without one gets them, compiled where ``config.interpret`` is False), under
-    ``mesh`` (``shard_map`` then says which
-    tensors are whole on the device) or on a one-device process; without a mesh on several
-    devices the arrays may be sharded by the caller's ``jit``, which cannot partition a kernel
-    (it would gather every tensor), so XLA runs.
+    ``mesh`` (``shard_map`` then says which tensors are whole on the device) or on a one-device
+    process; without a mesh on several devices the arrays may be sharded by the caller's ``jit``,
+    which cannot partition a kernel (it would gather every tensor), so XLA runs.
     ``"xla"``: never.
 
     Args:
