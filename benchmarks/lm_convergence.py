@@ -100,16 +100,33 @@ def hyperparameters(
     sonew_b2: float = B2,
     sonew_damping: str = optim.DEFAULT_DAMPING,
     sonew_graft_lag: bool = optim.DEFAULT_GRAFT_LAG,
+    sonew_offdiag_dtype: str | None = None,
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
     ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``,
-    its ``damping`` ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``."""
+    its ``damping`` ``sonew_damping``, its ``graft_lag`` ``sonew_graft_lag`` and, unless None
+    (the library's: ``d``'s dtype), its ``offdiag_dtype`` (``e``'s storage) ``sonew_offdiag_dtype``.
+    """
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
     hp[CANDIDATE]["damping"] = sonew_damping
     hp[CANDIDATE]["graft_lag"] = sonew_graft_lag
+    if sonew_offdiag_dtype is not None:
+        hp[CANDIDATE]["offdiag_dtype"] = sonew_offdiag_dtype
     return hp
+
+
+def hyperparameters_of(args: argparse.Namespace, sonew_eps: float | None = None) -> dict:
+    """`hyperparameters` of the command line's ``--sonew_*`` flags; SONew's ``eps`` is
+    ``sonew_eps`` where given, else the list ``--sonew_eps`` sweeps."""
+    return hyperparameters(
+        args.sonew_eps if sonew_eps is None else sonew_eps,
+        args.sonew_b2,
+        args.sonew_damping,
+        args.sonew_graft_lag,
+        args.sonew_offdiag_dtype,
+    )
 
 
 def base_factory(name: str, hp: dict):
@@ -221,9 +238,7 @@ def build_trainer(name: str, config, mesh, args: argparse.Namespace) -> Trainer:
         total_steps=args.steps,
         end_factor=args.end_factor,
     )
-    hp = hyperparameters(
-        args.sonew_eps[0], args.sonew_b2, args.sonew_damping, args.sonew_graft_lag
-    )[name]
+    hp = hyperparameters_of(args, args.sonew_eps[0])[name]
     eps = hp.pop("eps") if name == CANDIDATE else None  # SONew's eps is set per run
     return Trainer(
         Transformer(config),
@@ -357,7 +372,7 @@ def build_result(
     lrs = learning_rates(args)
     schedule = {"warmup_steps": args.warmup_steps, "decay": args.decay,
                 "end_factor": args.end_factor}  # fmt: skip
-    hp = hyperparameters(args.sonew_eps, args.sonew_b2, args.sonew_damping, args.sonew_graft_lag)
+    hp = hyperparameters_of(args)
     config = {
         "model": args.model, "dtype": args.dtype, "tokenizer": tokenizer, "source": args.source,
         "data": "embedded corpus, held-out = last 5% of every document", "steps": args.steps,
@@ -463,6 +478,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_graft_lag", type=_on_off, default=optim.DEFAULT_GRAFT_LAG, metavar="on|off"
     )
     p.add_argument("--sonew_b2", type=float, default=B2, help="SONew's decay of d and e")
+    p.add_argument(
+        "--sonew_offdiag_dtype",
+        choices=("float32", "bfloat16"),
+        help="storage dtype of SONew's off-diagonal statistics e (default: the library's)",
+    )
     p.add_argument("--out", type=Path, default=common.RESULTS / "lm_convergence.json")
     p.add_argument("--plot_only", action="store_true", help="redraw --out's PNG and markdown")
     p.add_argument("--processes", type=common.int_at_least(1), default=1, help="N: on GPUs 0..N-1")

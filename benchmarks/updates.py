@@ -9,7 +9,8 @@ the kernels on GPU wherever they apply, XLA elsewhere; ``sonew_tridiag_absolute`
 ``damping="absolute"`` (the default damping is relative: it adds a norm pair to each step and a
 scalar per tensor to the state); ``sonew_tridiag_by_shape`` and ``sonew_tridiag_auto_by_shape``, the
 XLA and the default rows with ``stack_by_shape=True`` (the parameters of one shape stored and
-stepped as one stack).
+stepped as one stack); ``sonew_tridiag_auto_by_shape_e16``, the trainer's gin with only the
+off-diagonals ``e`` stored in bfloat16 (4 B/param less traffic, 2 B/param less state).
 """
 
 from collections.abc import Callable
@@ -43,6 +44,10 @@ SONEW_VARIANTS["sonew_tridiag_auto"] = {"band": 1}
 SONEW_VARIANTS["sonew_tridiag_absolute"] = {"band": 1, "damping": "absolute"}
 SONEW_VARIANTS["sonew_tridiag_by_shape"] = {"band": 1, "stack_by_shape": True, **_XLA}
 SONEW_VARIANTS["sonew_tridiag_auto_by_shape"] = {"band": 1, "stack_by_shape": True}
+SONEW_VARIANTS["sonew_tridiag_auto_by_shape_e16"] = {
+    **SONEW_VARIANTS["sonew_tridiag_auto_by_shape"],
+    "offdiag_dtype": jnp.bfloat16,
+}
 OPTIMIZERS = ("adamw", *SONEW_VARIANTS)
 LEARNING_RATE = 1e-4
 # The random gradient every step applies: N(0, GRAD_STD).

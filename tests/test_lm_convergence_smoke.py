@@ -322,3 +322,17 @@ def test_processes_split_the_sweep_and_combine_to_the_same_runs(tmp_path):
 def test_shard_flag_is_checked():
     with pytest.raises(SystemExit):
         lm_convergence.parse_args(["--shard", "2/2"])
+
+
+def test_sonew_offdiag_dtype_flag_stores_e_in_it():
+    default = lm_convergence.hyperparameters_of(lm_convergence.parse_args([]))
+    assert "offdiag_dtype" not in default["sonew_tridiag"]  # the library's default
+    args = lm_convergence.parse_args(["--sonew_offdiag_dtype", "bfloat16"])
+    hp = lm_convergence.hyperparameters_of(args, sonew_eps=0.1)["sonew_tridiag"]
+    assert hp["offdiag_dtype"] == "bfloat16" and hp["eps"] == 0.1
+    tx = lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)
+    sonew_state = lambda x: isinstance(x, optim.ScaleBySONewDampedState)  # noqa: E731
+    leaves = jax.tree.leaves(tx.init({"w": jnp.zeros((4, 3))}), is_leaf=sonew_state)
+    (state,) = filter(sonew_state, leaves)
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.e)} == {jnp.dtype(jnp.bfloat16)}
+    assert {leaf.dtype for leaf in jax.tree.leaves(state.d)} == {jnp.dtype(jnp.float32)}
