@@ -200,6 +200,37 @@ def test_bad_arguments_name_the_argument(kwargs, name):
         sonew(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "state"),
+    [
+        ({"b2": 0.999, "offdiag_dtype": jnp.bfloat16}, "e"),
+        ({"b1": 0.998, "mu_dtype": jnp.bfloat16}, "m"),
+        ({"b2": 0.999, "stats_dtype": jnp.bfloat16}, "d"),
+    ],
+)
+def test_a_decay_finer_than_the_states_rounding_is_refused(kwargs, state):
+    with pytest.raises(ValueError, match=rf"moves {state} .*rounding"):
+        sonew(1e-3, **kwargs)
+    sonew(1e-3, **{k: v for k, v in kwargs.items() if not k.endswith("dtype")})  # float32 holds it
+
+
+def test_the_decay_rounding_threshold_is_where_bf16_averages_stop_moving():
+    """Stored in bfloat16 after each step (the engine computes in float32, then casts), an
+    average decayed by ``b`` rounds back to itself for some values when ``1 - b`` is below
+    ``eps / 2`` (refused), and moves for every value at the largest accepted ``b``."""
+    x = jnp.linspace(1.0, 2.0, 129, endpoint=False).astype(jnp.bfloat16)  # every mantissa
+    rounding = float(jnp.finfo(jnp.bfloat16).eps) / 2
+
+    def stuck(b):
+        return bool(jnp.any((x.astype(jnp.float32) * b).astype(jnp.bfloat16) == x))
+
+    assert stuck(1 - 0.9 * rounding) and stuck(0.999)
+    assert not stuck(1 - rounding) and not stuck(0.95)
+    sonew(1e-3, b2=1 - rounding, offdiag_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="rounding"):
+        sonew(1e-3, b2=1 - 0.9 * rounding, offdiag_dtype=jnp.bfloat16)
+
+
 def test_negative_schedule_value_is_refused_where_concrete():
     tx = sonew(lambda count: -0.1 * jnp.ones([]))
     state = tx.init(PARAMS)

@@ -98,6 +98,10 @@ class SONewConfig:
             )
         _check_choice("implementation", self.implementation, IMPLEMENTATIONS)
         static_band(self.band)
+        mu, stats, offdiag = self.dtypes
+        check_decay_resolution("b1", self.b1, "m", mu)
+        check_decay_resolution("b2", self.b2, "d", stats)
+        check_decay_resolution("b2", self.b2, "e", offdiag)
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any]) -> SONewConfig:
@@ -165,6 +169,33 @@ def check_nonnegative(name: str, value: Any) -> None:
     array = _concrete(value)
     if array is not None and not np.all(np.isfinite(array) & (array >= 0)):
         raise ValueError(f"{name} must be finite and >= 0, got {value!r}.")
+
+
+def check_decay_resolution(name: str, decay: Any, state: str, dtype: np.dtype) -> None:
+    """Raises ``ValueError`` when a moving average kept in ``dtype`` cannot follow ``decay``.
+
+    Each step moves the average by ``1 - decay`` of itself. Rounding to nearest moves a value by
+    up to half a unit in its last place, ``finfo(dtype).eps / 2`` of it (2^-8 for bfloat16): a
+    smaller step can round back to where it was, so the average stops forgetting (bfloat16 with
+    ``b2 = 0.999``). A traced ``decay`` is not checked.
+
+    Args:
+      name: the decay's argument name (``"b1"``, ``"b2"``).
+      decay: its value.
+      state: the state it decays (``m``, ``d``, ``e``), named in the error.
+      dtype: that state's storage dtype.
+    """
+    array = _concrete(decay)
+    if array is None or not jnp.issubdtype(dtype, jnp.floating):
+        return
+    rounding = float(jnp.finfo(dtype).eps) / 2
+    if np.any(1 - array < rounding):
+        raise ValueError(
+            f"{name}={decay!r} moves {state} by {1 - float(np.max(array)):.2g} of itself per step, "
+            f"less than {jnp.dtype(dtype).name}'s rounding ({rounding:.2g}): stored in it, "
+            f"{state} can stop decaying. Store {state} in float32 or use "
+            f"{name} <= {1 - rounding:.4g}."
+        )
 
 
 def checked_learning_rate(learning_rate: optax.ScalarOrSchedule) -> optax.ScalarOrSchedule:
