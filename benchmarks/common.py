@@ -4,6 +4,7 @@ child processes and plots."""
 import argparse
 import ast
 import collections
+import contextlib
 import dataclasses
 import datetime
 import functools
@@ -406,6 +407,33 @@ def format_table(rows: Sequence[dict], columns: Sequence[str], markdown: bool = 
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in cells]
     return "\n".join(lines) + "\n"
+
+
+# JAX's duration events of a jit's compile, by the column they add to (`compile_seconds`).
+COMPILE_EVENTS = {
+    "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+    "/jax/core/compile/backend_compile_duration": "compile_s",
+}
+
+
+@contextlib.contextmanager
+def compile_seconds():
+    """Sums the seconds JAX spends tracing, lowering and compiling (XLA's passes, code generation,
+    autotuning) inside the ``with``, from ``jax.monitoring``'s duration events: yields a dict
+    ``{"trace_s", "lower_s", "compile_s"}`` filled as they happen. What a first call takes beyond
+    them is the program's first run (loading its kernels, the allocator's first growth)."""
+    totals = dict.fromkeys(COMPILE_EVENTS.values(), 0.0)
+
+    def listen(event: str, seconds: float, **kwargs: Any) -> None:
+        if event in COMPILE_EVENTS:
+            totals[COMPILE_EVENTS[event]] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        yield totals
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
 
 
 def time_steps(step: Callable, carry, warmup: int, iters: int) -> tuple[float, list[float], object]:

@@ -22,8 +22,11 @@ tests).
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "pipelined_ms",
-"pipelined_ratio_vs_adamw", "dispatch_ms", "first_step_s", "tokens_per_s", "mfu", "loss",
-"first_loss", "steps", "mesh"}]}`` (``loss`` after ``steps`` steps on the same batch; ``mfu``
+"pipelined_ratio_vs_adamw", "dispatch_ms", "first_step_s", "first_step_trace_s",
+"first_step_lower_s", "first_step_compile_s", "tokens_per_s", "mfu", "loss",
+"first_loss", "steps", "mesh"}]}`` (``first_step_{trace,lower,compile}_s``: of the first step,
+the seconds JAX traced, lowered and compiled, autotuning included (`common.compile_seconds`);
+``loss`` after ``steps`` steps on the same batch; ``mfu``
 of the pipelined step as the trainer's progress line counts it, null on a device of unknown
 peak);
 with ``--profile_steps N`` each row also has, for the busiest device of the mesh, ``busy_ms``
@@ -75,6 +78,7 @@ COLUMNS = (
     "peak_memory_gib",
     "memory_ratio_vs_adamw",
     "first_step_s",
+    "first_step_compile_s",
     "mfu",
     "loss",
     "busy_ms",
@@ -165,9 +169,10 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     with partitioning.axis_rules_context(mesh, rules):
         state = trainer.init_state(0)
         batch = trainer.global_batch(random_batch(config.vocab_size, args.batch_size, args.seq_len))
-        start = time.perf_counter()
-        carry = jax.block_until_ready(trainer.train_step(state, batch))
-        first_step_s = time.perf_counter() - start
+        with common.compile_seconds() as first_compile:
+            start = time.perf_counter()
+            carry = jax.block_until_ready(trainer.train_step(state, batch))
+            first_step_s = time.perf_counter() - start
         first_loss = float(carry[1]["loss"])
 
         def step(carry):
@@ -194,6 +199,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "dispatch_ms": dispatch,
         "peak_memory_gib": peak_memory_gib(devices),
         "first_step_s": first_step_s,
+        **{f"first_step_{name}": seconds for name, seconds in first_compile.items()},
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
         "mfu": model_flops_utilization(config, args, pipelined, len(devices)),
         "loss": float(carry[1]["loss"]),
