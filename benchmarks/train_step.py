@@ -199,7 +199,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "dispatch_ms": dispatch,
         "peak_memory_gib": peak_memory_gib(devices),
         "first_step_s": first_step_s,
-        **{f"first_step_{name}": seconds for name, seconds in first_compile.items()},
+        **{f"first_step_{phase}": seconds for phase, seconds in first_compile.items()},
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),
         "mfu": model_flops_utilization(config, args, pipelined, len(devices)),
         "loss": float(carry[1]["loss"]),
