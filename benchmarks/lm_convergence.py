@@ -44,6 +44,7 @@ Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` 
 --sonew_eps 1e-10,1e-9,1e-8`` the absolute one; ``--seeds 0,1,2`` runs every setting from each
 seed; ``--merge A.json B.json`` merges results of other seeds or settings; ``--processes N`` runs
 the sweep in N processes, one per GPU (``--shard k/N`` each), and merges their runs;
+``--deadline_s S`` starts no run that would end past S seconds (a machine's time limit);
 ``--plot_only`` redraws the PNG and markdown from an existing JSON.
 """
 
@@ -361,6 +362,13 @@ def run_order(
     ]
 
 
+def expected_seconds(runs: list[dict], name: str) -> float | None:
+    """How long a run of optimizer ``name`` should take: its longest finished run's seconds, else
+    the longest finished run's of any optimizer; None before the first run."""
+    same = [run["seconds"] for run in runs if run["optimizer"] == name]
+    return max(same or [run["seconds"] for run in runs], default=None)
+
+
 def learning_rates(args: argparse.Namespace) -> dict[str, list[float]]:
     """Each optimizer's peak learning rates (``--lrs_<name>``)."""
     return {name: getattr(args, f"lrs_{name}") for name in OPTIMIZERS}
@@ -489,6 +497,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot_only", action="store_true", help="redraw --out's PNG and markdown")
     p.add_argument("--processes", type=common.int_at_least(1), default=1, help="N: on GPUs 0..N-1")
     p.add_argument("--shard", type=common.shard_arg, help="K/N: every N-th setting from the K-th")
+    p.add_argument(
+        "--deadline_s",
+        type=float,
+        default=math.inf,
+        help="start no run that its optimizer's longest finished run says would end past this "
+        "many seconds from the sweep's start, data loading included (a machine's time limit: a "
+        "run cut short is lost)",
+    )
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results into --out")
     return p.parse_args(argv)
 
@@ -532,6 +548,12 @@ def main(argv=None) -> dict:
         order = order[k::n]
     for name, lr, eps, seed in order:
         label = report.run_name(name, lr, eps, seed)
+        expected = expected_seconds(runs, name)
+        left = args.deadline_s - (time.perf_counter() - start)
+        if expected is not None and expected > left:
+            print(f"stopping before {label}: a run takes about {expected:.0f}s, {left:.0f}s of "
+                  "--deadline_s are left", flush=True)  # fmt: skip
+            break
         print(f"{label} (run {len(runs) + 1}/{len(order)})", flush=True)
         run = train_run(trainers[name], name, lr, train[seed], held_out, args.eval_every, eps, seed)
         print(
@@ -543,6 +565,9 @@ def main(argv=None) -> dict:
         runs.append(run)
         result = build_result(runs, args, params, tokenizer, eval_tokens)
         report.write_outputs(result, args.out)
+    if result is None:
+        print("no run finished: nothing written", flush=True)
+        return {}
     print(common.format_table(result["rows"], report.ROW_COLUMNS), flush=True)
     print(f"total {time.perf_counter() - start:.1f}s; wrote {args.out}", flush=True)
     return result

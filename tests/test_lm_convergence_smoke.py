@@ -336,3 +336,22 @@ def test_sonew_offdiag_dtype_flag_stores_e_in_it():
     (state,) = filter(sonew_state, leaves)
     assert {leaf.dtype for leaf in jax.tree.leaves(state.e)} == {jnp.dtype(jnp.bfloat16)}
     assert {leaf.dtype for leaf in jax.tree.leaves(state.d)} == {jnp.dtype(jnp.float32)}
+
+
+def test_expected_seconds_is_the_optimizers_longest_run_else_any():
+    runs = [{"optimizer": "adamw", "seconds": 10.0}, {"optimizer": "adamw", "seconds": 12.0}]
+    assert lm_convergence.expected_seconds([], "adamw") is None
+    assert lm_convergence.expected_seconds(runs, "adamw") == 12.0
+    muon = {"optimizer": "muon", "seconds": 3.0}
+    assert lm_convergence.expected_seconds([*runs, muon], "muon") == 3.0  # its own, though shorter
+    assert lm_convergence.expected_seconds(runs, "sonew_tridiag") == 12.0  # none of its own yet
+
+
+def test_deadline_stops_before_a_run_that_would_end_past_it(tmp_path, capsys):
+    """The first run always starts; the second would end past the deadline, so the sweep stops
+    and keeps the first."""
+    out = tmp_path / "cut.json"
+    lrs = ["--lrs_adamw", "1e-3,3e-3", "--lrs_adafactor", "", "--lrs_muon", "", "--lrs_sonew", ""]
+    written = lm_convergence.main([*ARGV, *lrs, "--deadline_s", "0.01", "--out", str(out)])
+    assert len(written["runs"]) == 1 and json.loads(out.read_text())["runs"] == written["runs"]
+    assert "stopping before adamw" in capsys.readouterr().out
