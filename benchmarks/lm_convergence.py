@@ -101,20 +101,20 @@ def hyperparameters(
     sonew_b2: float = B2,
     sonew_damping: str = optim.DEFAULT_DAMPING,
     sonew_graft_lag: bool = optim.DEFAULT_GRAFT_LAG,
-    sonew_offdiag_dtype: str | None = None,
+    **sonew_options: Any,
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
     ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``,
-    its ``damping`` ``sonew_damping``, its ``graft_lag`` ``sonew_graft_lag`` and, unless None
-    (the library's: ``d``'s dtype), its ``offdiag_dtype`` (``e``'s storage) ``sonew_offdiag_dtype``.
-    """
+    its ``damping`` ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``. Each of
+    ``sonew_options`` (``offdiag_dtype``, ``stack_by_shape``) is a further ``sonew`` argument,
+    set only where not None: left to the library, it stays out of the JSON, and results of
+    sweeps that never set it still merge with these."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
     hp[CANDIDATE]["damping"] = sonew_damping
     hp[CANDIDATE]["graft_lag"] = sonew_graft_lag
-    if sonew_offdiag_dtype is not None:
-        hp[CANDIDATE]["offdiag_dtype"] = sonew_offdiag_dtype
+    hp[CANDIDATE].update({k: v for k, v in sonew_options.items() if v is not None})
     return hp
 
 
@@ -126,7 +126,8 @@ def hyperparameters_of(args: argparse.Namespace, sonew_eps: float | None = None)
         args.sonew_b2,
         args.sonew_damping,
         args.sonew_graft_lag,
-        args.sonew_offdiag_dtype,
+        offdiag_dtype=args.sonew_offdiag_dtype,
+        stack_by_shape=args.sonew_stack_by_shape,
     )
 
 
@@ -488,6 +489,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_graft_lag", type=_on_off, default=optim.DEFAULT_GRAFT_LAG, metavar="on|off"
     )
     p.add_argument("--sonew_b2", type=float, default=B2, help="SONew's decay of d and e")
+    p.add_argument(
+        "--sonew_stack_by_shape",
+        type=_on_off,
+        metavar="on|off",
+        help="SONew's stack_by_shape (default: the library's, off; the trainer's gin sets on)",
+    )
     p.add_argument(
         "--sonew_offdiag_dtype",
         choices=("float32", "bfloat16"),

@@ -355,3 +355,19 @@ def test_deadline_stops_before_a_run_that_would_end_past_it(tmp_path, capsys):
     written = lm_convergence.main([*ARGV, *lrs, "--deadline_s", "0.01", "--out", str(out)])
     assert len(written["runs"]) == 1 and json.loads(out.read_text())["runs"] == written["runs"]
     assert "stopping before adamw" in capsys.readouterr().out
+
+
+def test_sonew_stack_by_shape_flag_is_the_trainers_stacking():
+    default = lm_convergence.hyperparameters_of(lm_convergence.parse_args([]))["sonew_tridiag"]
+    assert "stack_by_shape" not in default  # the library's: earlier results keep merging
+    args = lm_convergence.parse_args(["--sonew_stack_by_shape", "on"])
+    hp = lm_convergence.hyperparameters_of(args, sonew_eps=0.1)["sonew_tridiag"]
+    assert hp["stack_by_shape"] is True
+    tx = lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)
+    state = tx.init({"a": jnp.zeros((4, 3)), "b": jnp.zeros((4, 3))})
+    stacked = [x for x in jax.tree.leaves(state, is_leaf=_is_stacked) if _is_stacked(x)]
+    assert len(stacked) == 1 and stacked[0].grouping.groups == ((0, 1),)
+
+
+def _is_stacked(x) -> bool:
+    return isinstance(x, optim.StackedByShapeState)
