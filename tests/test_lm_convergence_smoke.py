@@ -97,9 +97,7 @@ def test_sonew_graft_lag_flag_reaches_sonew_and_builds(flag):
     hp = lm_convergence.hyperparameters(sonew_graft_lag=args.sonew_graft_lag)["sonew_tridiag"]
     assert hp["graft_lag"] is (flag == "on")
     tx = lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)
-    sonew_state = lambda x: isinstance(x, optim.ScaleBySONewDampedState)  # noqa: E731
-    leaves = jax.tree.leaves(tx.init({"w": jnp.zeros((4, 3))}), is_leaf=sonew_state)
-    (state,) = filter(sonew_state, leaves)
+    (state,) = _states_of(tx.init({"w": jnp.zeros((4, 3))}), optim.ScaleBySONewDampedState)
     assert (state.ratio is not None) is (flag == "on")  # graft_lag's ratios
     with pytest.raises(SystemExit):
         lm_convergence.parse_args(["--sonew_graft_lag", "yes"])
@@ -331,9 +329,7 @@ def test_sonew_offdiag_dtype_flag_stores_e_in_it():
     hp = lm_convergence.hyperparameters_of(args, sonew_eps=0.1)["sonew_tridiag"]
     assert hp["offdiag_dtype"] == "bfloat16" and hp["eps"] == 0.1
     tx = lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)
-    sonew_state = lambda x: isinstance(x, optim.ScaleBySONewDampedState)  # noqa: E731
-    leaves = jax.tree.leaves(tx.init({"w": jnp.zeros((4, 3))}), is_leaf=sonew_state)
-    (state,) = filter(sonew_state, leaves)
+    (state,) = _states_of(tx.init({"w": jnp.zeros((4, 3))}), optim.ScaleBySONewDampedState)
     assert {leaf.dtype for leaf in jax.tree.leaves(state.e)} == {jnp.dtype(jnp.bfloat16)}
     assert {leaf.dtype for leaf in jax.tree.leaves(state.d)} == {jnp.dtype(jnp.float32)}
 
@@ -365,9 +361,11 @@ def test_sonew_stack_by_shape_flag_is_the_trainers_stacking():
     assert hp["stack_by_shape"] is True
     tx = lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)
     state = tx.init({"a": jnp.zeros((4, 3)), "b": jnp.zeros((4, 3))})
-    stacked = [x for x in jax.tree.leaves(state, is_leaf=_is_stacked) if _is_stacked(x)]
-    assert len(stacked) == 1 and stacked[0].grouping.groups == ((0, 1),)
+    (stacked,) = _states_of(state, optim.StackedByShapeState)
+    assert stacked.grouping.groups == ((0, 1),)
 
 
-def _is_stacked(x) -> bool:
-    return isinstance(x, optim.StackedByShapeState)
+def _states_of(tree, kind: type) -> list:
+    """The nodes of optimizer state ``tree`` that are ``kind`` (a state NamedTuple)."""
+    found = lambda x: isinstance(x, kind)  # noqa: E731
+    return [x for x in jax.tree.leaves(tree, is_leaf=found) if found(x)]

@@ -24,8 +24,7 @@ contrib_suite = pytest.importorskip("optax.contrib._common_test")
 # The suite's list of hyperparameters it binds with ``static_args``; ``band`` is appended.
 UNINJECTABLE = "'update_proj_gap']"
 SONEW_UNDER_TEST = [
-    {"opt_name": "sonew", "opt_kwargs": {"learning_rate": 1e-2, "band": band}}
-    for band in (0, 1, 2)
+    {"opt_name": "sonew", "opt_kwargs": {"learning_rate": 1e-2, "band": band}} for band in (0, 1, 2)
 ]
 
 
