@@ -83,8 +83,13 @@ def compare(
     if not steps:
         raise ValueError("the runs logged no training step")
     return [
-        Difference(step, name, run[step][name], reference[step][name],
-                   relative_difference(run[step][name], reference[step][name]))
+        Difference(
+            step,
+            name,
+            run[step][name],
+            reference[step][name],
+            relative_difference(run[step][name], reference[step][name]),
+        )
         for step in steps
         for name in COMPARED
     ]

@@ -36,7 +36,6 @@ References:
   banded LogDet solutions), Algorithm 3 (the numerically stable banded solve).
 """
 
-
 import dataclasses
 from typing import Any
 
