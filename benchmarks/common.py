@@ -590,24 +590,40 @@ def hlo_launch_bytes(
     if opcode == "fusion":
         body = hlo_fused(computations, line)
         reads = hlo_sliced_reads(body)
-        update = _in_place_update(body) if in_place else None
+        update = hlo_in_place_update(body) if in_place else None
         if update is not None:
             base, written = update
             reads = reads | ({} if base is None else {base: 0})
     return written + sum(reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands))
 
 
-def _in_place_update(body: list[tuple]) -> tuple[int | None, int] | None:
+def hlo_in_place_update(body: list[tuple]) -> tuple[int | None, int] | None:
     """For a fused computation whose root is a ``dynamic-update-slice``: the index of the
     parameter it updates (None if not a parameter) and the bytes of the update; else None."""
+    outputs = hlo_in_place_outputs(body)
+    return outputs[0] if len(outputs) == 1 else None
+
+
+def hlo_in_place_outputs(body: list[tuple]) -> list[tuple[int | None, int] | None]:
+    """For each output of a fused computation (its root, or each element of a root ``tuple``):
+    where it is a ``dynamic-update-slice`` (which XLA runs in the buffer it updates), the index
+    of the parameter it updates (None if not a parameter) and the bytes of the update; else
+    None."""
+    by_name = {i[0]: i for i in body}
     roots = [i for i in body if i[4].lstrip().startswith("ROOT")]
-    if not roots or roots[0][2] != "dynamic-update-slice":
-        return None
-    base, update = roots[0][3][:2]
-    shapes = {name: shape for name, shape, _, _, _ in body}
-    index = re.search(r"parameter\((\d+)\)", next((i[4] for i in body if i[0] == base), ""))
-    written = sum(b for b, _ in hlo_arrays(shapes.get(update, "")))
-    return (int(index.group(1)) if index else None), written
+    if not roots:
+        return []
+    outputs = [by_name[x] for x in roots[0][3]] if roots[0][2] == "tuple" else roots[:1]
+    found = []
+    for _, _, opcode, operands, _ in outputs:
+        if opcode != "dynamic-update-slice":
+            found.append(None)
+            continue
+        base, update = operands[:2]
+        index = re.search(r"parameter\((\d+)\)", by_name[base][4] if base in by_name else "")
+        written = sum(b for b, _ in hlo_arrays(by_name[update][1] if update in by_name else ""))
+        found.append(((int(index.group(1)) if index else None), written))
+    return found
 
 
 def hlo_traffic(hlo_text: str) -> int:

@@ -108,19 +108,31 @@ def _reduces(instructions: list) -> bool:
 
 
 def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
-    """The bytes a compiled TPU module's entry computation moves through HBM, in all and by
-    opcode: each instruction's operands and results in memory space 0, an operand that its
-    fusion only slices counted at the slices' size (a slice's at what it keeps,
-    :func:`_slice_read`), an async copy's or slice's read at its start and its write at its end."""
+    """The bytes a compiled TPU module moves through HBM, in all and by opcode: each instruction's
+    operands and results in memory space 0, an operand that its fusion only slices counted at the
+    slices' size (a slice's at what it keeps, :func:`_slice_read`), an async copy's or slice's
+    read at its start and its write at its end, a ``dynamic-update-slice`` (fused or not, which
+    XLA runs in the buffer it updates) at the update it reads and writes, and a ``while`` loop's
+    body once per trip (:func:`_trips`)."""
     computations = common.hlo_computations(text)
-    entry = common.hlo_entry(text)
+    by_opcode: collections.Counter = collections.Counter()
+    _computation_bytes(computations, common.hlo_entry(text), 1, by_opcode)
+    return sum(by_opcode.values()), by_opcode
+
+
+def _computation_bytes(computations, computation: str, times: int, by_opcode: collections.Counter):
+    """Adds to ``by_opcode`` the HBM bytes ``computation`` moves, run ``times`` times
+    (:func:`hbm_bytes`'s rules)."""
     shapes: dict[str, list[tuple[int, int]]] = {}
     texts: dict[str, str] = {}
-    by_opcode: collections.Counter = collections.Counter()
-    for name, shape, opcode, operands, line in common.hlo_instructions(computations[entry]):
+    for name, shape, opcode, operands, line in common.hlo_instructions(computations[computation]):
         results = shapes[name] = common.hlo_arrays(shape)
         texts[name] = shape
         if opcode in _FREE:
+            continue
+        if opcode == "while":
+            body = re.search(r"body=%([\w.\-]+)", line).group(1)
+            _computation_bytes(computations, body, times * _trips(computations, line), by_opcode)
             continue
         inputs = [shapes.get(operand, []) for operand in operands]
         if opcode == "slice-start":  # reads the slice from its source
@@ -129,17 +141,32 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
             moved = sum(b for x in inputs for b, space in x if space == 0)
         elif opcode == "copy-done":
             moved = sum(b for b, space in results[:1] if space == 0)
+        elif opcode == "dynamic-update-slice":
+            update = sum(b for b, space in inputs[1] if space == 0)
+            moved = update + (sum(b for b, _ in inputs[1]) if results[0][1] == 0 else 0)
         else:
             moved = sum(b for b, space in results if space == 0)
             reads = [sum(b for b, space in x if space == 0) for x in inputs]
             if opcode == "fusion":
-                reads = _fusion_reads(computations, line, shape, operands, texts, reads)
+                moved, reads = _fusion_bytes(computations, line, shape, operands, texts, reads)
             elif opcode == "slice":
                 reads = [min(r, _slice_read(line, results)) for r in reads[:1]]
             moved += sum(reads)
         if moved:
-            by_opcode[opcode] += moved
-    return sum(by_opcode.values()), by_opcode
+            by_opcode[opcode] += moved * times
+
+
+def _trips(computations, line: str) -> int:
+    """How many times the ``while`` of ``line`` runs its body: its ``known_trip_count``, else
+    what its condition says for a counter from 0 (``counter < N``, as ``fori_loop`` lowers)."""
+    known = re.search(r'"known_trip_count":\{"n":"(\d+)"', line)
+    if known:
+        return int(known.group(1))
+    condition = computations[re.search(r"condition=%([\w.\-]+)", line).group(1)]
+    bound = re.findall(r"constant\((\d+)\)", "\n".join(condition))
+    if len(bound) != 1 or not any("direction=LT" in x for x in condition):
+        raise ValueError(f"a while loop's trip count is unknown: {line[:200]}")
+    return int(bound[0])
 
 
 def _slice_read(line: str, results: list[tuple[int, int]]) -> int:
@@ -150,16 +177,27 @@ def _slice_read(line: str, results: list[tuple[int, int]]) -> int:
     return kept * 8 if strided and int(strided.group(1)) > 1 else kept
 
 
-def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -> list[int]:
-    """A fusion's HBM reads per operand (``reads``: each operand's whole size in HBM), at most the
-    slices it takes (:func:`common.hlo_sliced_reads`, not through bitcasts) and, where it does
-    not reduce, at most one element per result element (it computes only its results' elements:
-    a fused slice reads only what it keeps)."""
+def _fusion_bytes(computations, line: str, shape: str, operands, texts, reads):
+    """A fusion's HBM bytes written, and read per operand (``reads``: each operand's whole size in
+    HBM): an output that is a ``dynamic-update-slice`` writes the update (in its operand's
+    buffer, not read); it reads at most the slices it takes (:func:`common.hlo_sliced_reads`, not
+    through bitcasts) and, where it neither reduces nor updates in place, at most one element per
+    result element (it computes only its results' elements: a fused slice reads only what it
+    keeps)."""
     body = common.hlo_fused(computations, line)
+    results = common.hlo_arrays(shape)
+    in_place = common.hlo_in_place_outputs(body)
+    written = 0
+    for k, (size, space) in enumerate(results):
+        update = in_place[k] if len(in_place) == len(results) else None
+        if update is not None:
+            base, size = update
+            reads = [0 if j == base else r for j, r in enumerate(reads)]
+        written += size if space == 0 else 0
     sliced = common.hlo_sliced_reads(body, through_bitcasts=False)
     reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
-    if _reduces(body):
-        return reads
+    if any(in_place) or _reduces(body):
+        return written, reads
     elements = _elements(shape)
     capped = []
     for operand, read in zip(operands, reads, strict=True):
@@ -169,7 +207,7 @@ def _fusion_reads(computations, line: str, shape: str, operands, texts, reads) -
             default=0,
         )
         capped.append(min(read, item * elements))
-    return capped
+    return written, capped
 
 
 def topology_devices(name: str) -> list:

@@ -672,6 +672,63 @@ def test_tpu_compile_counts_what_the_schedule_moves_through_hbm():
     assert common.hlo_arrays("(f32[2,3]{1,0:T(2,128)S(1)}, bf16[4]{0})") == [(24, 1), (8, 0)]
 
 
+_TPU_LOOP_MODULE = """HloModule tpu_loop
+
+%fused_step (param_0: f32[4,8,128], param_1: f32[4,8,128], param_2: s32[]) -> (f32[4,8,128], f32[8,128]) {
+  %param_0 = f32[4,8,128]{2,1,0} parameter(0)
+  %param_1 = f32[4,8,128]{2,1,0} parameter(1)
+  %param_2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %ds = f32[1,8,128]{2,1,0} dynamic-slice(%param_1, %param_2, %zero, %zero), dynamic_slice_sizes={1,8,128}
+  %neg = f32[1,8,128]{2,1,0} negate(%ds)
+  %dus = f32[4,8,128]{2,1,0} dynamic-update-slice(%param_0, %neg, %param_2, %zero, %zero)
+  %flat = f32[8,128]{1,0:S(1)} bitcast(%neg)
+  ROOT %tuple = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0:S(1)}) tuple(%dus, %flat)
+}
+
+%body (carry: (s32[], f32[4,8,128], f32[4,8,128])) -> (s32[], f32[4,8,128], f32[4,8,128]) {
+  %carry = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) parameter(0)
+  %i = s32[]{:S(1)} get-tuple-element(%carry), index=0
+  %u = f32[4,8,128]{2,1,0} get-tuple-element(%carry), index=1
+  %g = f32[4,8,128]{2,1,0} get-tuple-element(%carry), index=2
+  %fusion.1 = (f32[4,8,128]{2,1,0}, f32[8,128]{1,0:S(1)}) fusion(%u, %g, %i), kind=kLoop, calls=%fused_step
+  %new = f32[4,8,128]{2,1,0} get-tuple-element(%fusion.1), index=0
+  %one = s32[]{:S(1)} constant(1)
+  %next = s32[]{:S(1)} add(%i, %one)
+  ROOT %tuple.1 = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) tuple(%next, %new, %g)
+}
+
+%cond (carry: (s32[], f32[4,8,128], f32[4,8,128])) -> pred[] {
+  %carry = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) parameter(0)
+  %i = s32[]{:S(1)} get-tuple-element(%carry), index=0
+  %n = s32[]{:S(1)} constant(4)
+  ROOT %lt = pred[]{:S(1)} compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[4,8,128], b: f32[4,8,128]) -> f32[4,8,128] {
+  %a = f32[4,8,128]{2,1,0} parameter(0)
+  %b = f32[4,8,128]{2,1,0} parameter(1)
+  %i0 = s32[]{:S(1)} constant(0)
+  %init = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) tuple(%i0, %a, %b)
+  %while.1 = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) while(%init), condition=%cond, body=%body
+  ROOT %out = f32[4,8,128]{2,1,0} get-tuple-element(%while.1), index=1
+}
+"""  # noqa: E501
+
+
+def test_tpu_compile_counts_a_loop_per_trip_and_its_in_place_updates():
+    """The loop's condition (``i < 4`` from 0) gives its 4 trips; each reads its 4 KiB slice of
+    ``g`` and writes it into the stack in place (the fusion's first output: not the 16 KiB
+    stack, which it does not read), its second output going to VMEM. A loop whose trip count
+    cannot be read is named, not counted once."""
+    total, by_opcode = tpu_compile.hbm_bytes(_TPU_LOOP_MODULE)
+    page = 8 * 128 * 4
+    assert by_opcode == {"fusion": 4 * 2 * page} and total == 4 * 2 * page
+    unknown = _TPU_LOOP_MODULE.replace("direction=LT", "direction=NE")
+    with pytest.raises(ValueError, match="trip count is unknown"):
+        tpu_compile.hbm_bytes(unknown)
+
+
 def test_update_speed_with_stacked_layers(tmp_path, monkeypatch):
     """``--stack_layers``: the set's layers stacked, and SONew told so (its stacked axes)."""
     given = []

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("libtpu", reason="compiling for a TPU topology needs libtpu (jax[tpu])")
 
-from benchmarks import tpu_compile
+from benchmarks import lm_shapes, tpu_compile
 
 V4_32 = "runs/pretrain_1b_v4_32.gin"
 
@@ -27,3 +27,18 @@ def test_v4_32_train_step_compiles_for_16_v4_chips_and_fits_their_hbm():
     assert 0 < row["argument_gib"] * 2**30 < 6 * 4 * row["params"] / 16
     assert row["alias_gib"] > 0.9 * row["output_gib"]  # the state is updated in place
     assert row["total_gib"] < tpu_compile.HBM_GIB[devices[0].device_kind]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_stacked_by_shape_moves_no_more_than_per_tensor_on_a_tpu():
+    """The XLA update of an LM set stacked by shape (a loop over each stack's tensors, the stack
+    row-major, each parameter's graft scale fused into its apply) moves no more HBM bytes than
+    the same update per tensor, compiled for a TPU v5e."""
+    device = tpu_compile.topology_device("v5e:2x2")
+    shapes = lm_shapes.lm_shapes(scale=0.25, layers=4)
+    moved = {
+        name: tpu_compile.compile_update(name, shapes, device)["hbm_b_per_param"]
+        for name in ("sonew_tridiag", "sonew_tridiag_by_shape")
+    }
+    assert moved["sonew_tridiag_by_shape"] <= moved["sonew_tridiag"]

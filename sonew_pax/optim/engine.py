@@ -13,9 +13,9 @@ per shard) the step runs
   ``edges``, :func:`_on_extended_block`); on a TPU, where the kernels are enabled for it, bands
   1 and wider as Mosaic kernels (``kernels.tpu``) with the same ``edges``.
 
-A parameter that stacks tensors (``ChainLayout.stack``, flax's ``nn.scan``) steps as one
-vectorized step of its tensors (:func:`_stacked_step`): on XLA, or on the GPU kernels, a grid axis
-over its tensors per launch; its edges travel in its group's exchange.
+A parameter that stacks tensors (``ChainLayout.stack``, flax's ``nn.scan``) steps as one program
+for all its tensors (:func:`_stacked_step`): on the GPU kernels a grid axis over its tensors per
+launch, on XLA a loop over them; its edges travel in its group's exchange.
 
 Both give local norm pairs (per kernel tile, or one per XLA step), which merge into the graft
 ratios (and a relative damping's scales) for all tensors together, across shards in one
@@ -345,14 +345,15 @@ def _stacked_step(
     stats: jax.Array | None = None,
 ) -> LeafStep:
     """The step of a tensor whose leading ``layout.stack`` dimensions stack tensors (a layer axis):
-    each stacked tensor's step, vectorized (``jax.vmap``) over those dimensions flattened into one,
-    so the stack is traced and compiled once, not once per tensor. Each stacked tensor has its own
+    each stacked tensor's step over those dimensions flattened into one, so the stack is traced
+    and compiled once, not once per tensor. Each stacked tensor has its own
     chain, its own damping and, from ``slots.norm_results``, its own graft ratio: the norm pairs
     come as ``(layers, pairs, tiles)``. ``edge`` is that of the first stacked tensor; the others'
     follow it in its buffer (``neighbours.exchanged_edges``).
 
-    On XLA (``kernels`` None) the step is :func:`_leaf_step`'s, ``hyper.eps`` holding one per
-    stacked tensor with a relative damping. With ``kernels`` (``dispatch.stack_on_kernel``) it is
+    On XLA (``kernels`` None) the step is :func:`_leaf_step`'s on each tensor in turn
+    (:func:`_each_stacked`), ``hyper.eps`` holding one per stacked tensor with a relative
+    damping. With ``kernels`` (``dispatch.stack_on_kernel``) it is
     one tensor's halo copies and step kernel (``kernels.gather_halos``, ``kernels.group_update``),
     which the vectorization turns into launches with a grid axis over the stacked tensors: one
     compiled program per stack; ``stats`` are then a relative damping's statistics of the stacked
@@ -391,13 +392,56 @@ def _stacked_step(
         one, per_tensor = on_kernels, None if stats is None else stats[:, None]
     rows = stack_edge_rows(edge, band, g.shape[k:], n)
     e_in = e if band == 0 else stack_flat(e, k, lead=1)
-    u, m_new, d_new, e_new, pairs = jax.vmap(
-        one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=LeafStep(0, 0, 0, 1, 0)
-    )(*(stack_flat(x, k) for x in (g, m, d)), e_in, rows, per_tensor)
+    arrays = (*(stack_flat(x, k) for x in (g, m, d)), e_in, rows, per_tensor)
+    if kernels is None:
+        u, m_new, d_new, e_new, pairs = _each_stacked(one, arrays, band, n)
+    else:
+        u, m_new, d_new, e_new, pairs = jax.vmap(
+            one, in_axes=(0, 0, 0, 1, 0, 0), out_axes=LeafStep(0, 0, 0, 1, 0)
+        )(*arrays)
     e_new = e_new if band == 0 else e_new.reshape(e.shape)
     return LeafStep(
         u.reshape(g.shape), m_new.reshape(m.shape), d_new.reshape(d.shape), e_new, pairs
     )
+
+
+def _each_stacked(one: Callable, arrays: tuple, band: int, n: int) -> LeafStep:
+    """``one`` (a tensor's XLA step) on each of a stack's ``n`` tensors in turn, in one
+    ``lax.scan``. ``arrays`` are ``(g, m, d, e, rows, eps)``, stacked on axis 0 (``e`` of a
+    band >= 1 on axis 1, behind its band axis; band 0's ``e``, ``rows`` and ``eps`` may hold no
+    array). Trip ``i`` reads tensor ``i``'s slices and writes its ``u``, ``m``, ``d`` and ``e``
+    over the ones it read (the carry starts as ``g``, ``m``, ``d``, ``e``: the stack is updated
+    in place), and its norm pairs as the scan's output.
+
+    A loop rather than ``jax.vmap``: each trip is the tensor's own step, so a stack moves what
+    its tensors would apart (where it is row-major: ``grouping.pack`` builds it so) and is
+    compiled once; vectorized on a TPU, the step moves more and compiles longer than per tensor
+    (docs/performance.md).
+
+    Returns:
+      The stack's :class:`LeafStep`: ``u``, ``m``, ``d`` stacked on axis 0, ``e`` as given, the
+      pairs ``(n, ...)``.
+    """
+    g, m, d, e, rows, eps = arrays
+    axes = (0, 0, 0, 1 if band else 0)  # of g (and u), m, d, e
+
+    def trip(carry: tuple, xs: tuple) -> tuple:
+        i, *others = xs
+        take, put = jax.lax.dynamic_index_in_dim, jax.lax.dynamic_update_index_in_dim
+        mine = [
+            jax.tree.map(lambda x, a=axis: take(x, i, a, keepdims=False), x)
+            for x, axis in zip(carry, axes, strict=True)
+        ]
+        step = one(*mine, *others)
+        carry = tuple(
+            jax.tree.map(lambda x, y, a=axis: put(x, y, i, a), old, new)
+            for old, new, axis in zip(carry, step[:4], axes, strict=True)
+        )
+        return carry, step.pairs
+
+    u = g.astype(pointwise.compute_dtype(d.dtype))
+    (u, m, d, e), pairs = jax.lax.scan(trip, (u, m, d, e), (jnp.arange(n), rows, eps))
+    return LeafStep(u, m, d, e, pairs)
 
 
 def _raw(g: jax.Array, m: jax.Array, d: jax.Array) -> Raw:
@@ -459,7 +503,7 @@ class ApplyArgs(NamedTuple):
     decayed: Any
 
 
-def make_step(config: SONewConfig, mesh: Any, param_specs: Any) -> Callable:
+def make_step(config: SONewConfig, mesh: Any, param_specs: Any, unpacked: bool = False) -> Callable:
     """The whole-tree step of ``config``, on ``mesh`` with ``param_specs`` (or unsharded).
 
     The step runs SONew's update (paper Algorithm 1 with the closed forms of Theorems 1 and 2 and
@@ -473,6 +517,9 @@ def make_step(config: SONewConfig, mesh: Any, param_specs: Any) -> Callable:
       mesh: the mesh the step runs on under ``shard_map``, or ``None``: on the arrays as they
         are (under ``shard_map`` with their own specs where their type splits them).
       param_specs: the parameters' ``PartitionSpec``s on ``mesh`` (``None`` without one).
+      unpacked: the stacks are parameters packed by shape (``stack_by_shape``), sliced apart
+        after the step: each stacked tensor's direction is then grafted on its own, so that XLA
+        fuses its scale into its parameter's apply (``slots.grafted``).
 
     Returns:
       ``step(updates, m, d, e, ratio, diag, corrections, apply=None) -> (out, m, d, e, ratio,
@@ -503,7 +550,7 @@ def make_step(config: SONewConfig, mesh: Any, param_specs: Any) -> Callable:
         layouts = leaves.layouts
         slots = slot_starts(layouts, config.precondition_1d)
         lagged = [
-            None if ratio is None or k is None else slot_values(ratio, k, lay)
+            None if ratio is None or k is None else slot_values(ratio, k, lay, flat=True)
             for k, lay in zip(slots, layouts, strict=True)
         ]
         halos = halo_rows(leaves.m, leaves.d, leaves.e, layouts, config, kernels)
@@ -532,8 +579,8 @@ def make_step(config: SONewConfig, mesh: Any, param_specs: Any) -> Callable:
             if leaf_apply is not None:  # the kernel wrote the parameters
                 x = step.u
             else:
-                fresh = None if fresh is None else per_tensor(fresh, lay)
-                x = grafted(step.u, fresh, old).astype(g.dtype)
+                fresh = None if fresh is None else per_tensor(fresh, lay, flat=True)
+                x = grafted(step.u, fresh, old, lay, unpacked).astype(g.dtype)
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)

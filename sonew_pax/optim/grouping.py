@@ -67,7 +67,7 @@ class Grouping:
                     f"stack_by_shape: the parameters had shape {shape} at init; got {found}"
                 )
         return [
-            jnp.stack([leaves[i] for i in group]) if len(group) > 1 else leaves[group[0]]
+            _stacked([leaves[i] for i in group]) if len(group) > 1 else leaves[group[0]]
             for group in self.groups
         ]
 
@@ -89,6 +89,16 @@ class Grouping:
             return None
         specs = self.treedef.flatten_up_to(param_specs)
         return [P(None, *(specs[g[0]] or ())) if len(g) > 1 else specs[g[0]] for g in self.groups]
+
+
+def _stacked(tensors: list) -> jax.Array:
+    """``tensors`` (of one shape) stacked on a new leading axis. Matrices and wider are
+    concatenated along their first axis and reshaped, which keeps the stack row-major on a TPU:
+    XLA's TPU compiler lays a ``jnp.stack`` out with the stack axis on the sublanes, where each
+    tensor's slice is strided and the stacked step moves more bytes than per tensor."""
+    if tensors[0].ndim < 2:
+        return jnp.stack(tensors)
+    return jnp.concatenate(tensors).reshape(len(tensors), *tensors[0].shape)
 
 
 def grouping_of(params: Any, stacked_axes: Any, param_specs: Any) -> Grouping:

@@ -162,9 +162,22 @@ def _diag_scales(top: jax.Array, total: jax.Array, sizes: list[int], hyper: SONe
     return square * total[:, 2] / np.array(sizes).astype(square.dtype)
 
 
-def grafted(u: jax.Array, ratio: jax.Array | None, lagged: Any) -> jax.Array:
+def grafted(
+    u: jax.Array, ratio: jax.Array | None, lagged: Any, layout: ChainLayout, each: bool = False
+) -> jax.Array:
     """``u`` scaled by this step's ``ratio``, or with ``graft_lag`` (``lagged``, the previous
-    step's, not ``None``) by that one."""
+    step's, not ``None``) by that one: one number per tensor of ``layout``, flat (``(layers,)``)
+    for a stack.
+
+    With ``each`` a stack's tensors are scaled one by one and stacked again, for a stack that is
+    unpacked after the step (``stack_by_shape``): XLA then reads each parameter's slice as its
+    own product (a slice of a concatenation) and fuses it into that parameter's apply, where a
+    product broadcast over the stack is written out whole first (a pass over the stack: 8 B per
+    parameter). Without it the program does not grow with the stack's size."""
     if ratio is None:
         return u
-    return u * (ratio if lagged is None else lagged)
+    scale = ratio if lagged is None else lagged
+    if not (layout.stack and each):
+        return u * per_tensor(scale, layout)
+    tensors = u.reshape(-1, *u.shape[layout.stack :])
+    return jnp.stack([x * s for x, s in zip(tensors, scale, strict=True)]).reshape(u.shape)

@@ -273,9 +273,14 @@ def scale_by_sonew(
 
 
 def _scale_by_sonew(
-    config: SONewConfig, mesh: jax.sharding.Mesh | None, param_specs: Any
+    config: SONewConfig,
+    mesh: jax.sharding.Mesh | None,
+    param_specs: Any,
+    unpacked: bool = False,
 ) -> GradientTransformationWithApply:
-    """:func:`scale_by_sonew` of a checked ``config``, on ``mesh`` with ``param_specs``."""
+    """:func:`scale_by_sonew` of a checked ``config``, on ``mesh`` with ``param_specs``;
+    ``unpacked``: its stacks are parameters packed by shape, unpacked after the step
+    (``stack_by_shape``, :func:`engine.make_step`)."""
     mesh, param_specs = sharding.as_specs(param_specs, mesh)
     if (mesh is None) != (param_specs is None):
         raise ValueError("mesh and param_specs must be given together (or both left None).")
@@ -333,7 +338,7 @@ def _scale_by_sonew(
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = tuple(1 - jnp.asarray(b, stats_dtype) ** t for b in (config.b1, config.b2))
-        step = make_step(config, mesh, param_specs)
+        step = make_step(config, mesh, param_specs, unpacked)
         # Not lagged: no ratios, so every tensor grafts with its own step's ratio.
         ratio = state.ratio if config.graft_lag else None
         diag = state.diag if config.relative else None
@@ -387,7 +392,7 @@ def _stacked_by_shape(
         packed = dataclasses.replace(
             config, stacked_axes=list(grouping.stacks), stack_by_shape=False
         )
-        return _scale_by_sonew(packed, mesh, grouping.specs(param_specs))
+        return _scale_by_sonew(packed, mesh, grouping.specs(param_specs), unpacked=True)
 
     def init_fn(params: optax.Params) -> StackedByShapeState:
         params = _as_arrays(params)
