@@ -91,6 +91,24 @@ def test_kernel_equals_the_xla_step(x64, band, damping, graft):
     _assert_close(expect_state, state, 1e-12)
 
 
+@pytest.mark.parametrize("band", [1, 4])
+def test_stacked_kernels_equal_the_xla_step(x64, band):
+    """Stacked tensors (a layer axis, and parameters stacked by shape) run the kernel on each of
+    them in turn: three steps equal the XLA step's."""
+    params = {"layers": jnp.zeros((3, 64, 256)), "a": jnp.zeros((48, 384))}
+    params |= {"b": jnp.zeros((48, 384)), "vec": jnp.zeros((40,))}
+    kwargs = dict(band=band, stats_dtype=jnp.float64, stacked_axes={"layers": 1, "a": 0})
+    kwargs |= dict(stack_by_shape=True)
+    kwargs["stacked_axes"] |= {"b": 0, "vec": 0}
+    grads = _grads(params, 3)
+    expect, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    got, state = run(
+        sonew(0.1, implementation="pallas", kernel_config=TPU, **kwargs), params, grads
+    )
+    _assert_close(expect, got, 1e-12 if band == 1 else 1e-10)
+    _assert_close(expect_state, state, 1e-12)
+
+
 @pytest.mark.parametrize(
     "band, graft, graft_lag", [(1, "adam", True), (1, "none", False), (4, "adam", True)]
 )

@@ -127,6 +127,14 @@ def stack_on_kernel(
     return bool(layout.stack) and on_gpu_kernel(kernels, layout.layer, band, hyper)
 
 
+def stack_on_tpu_kernel(
+    kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
+) -> bool:
+    """Whether ``engine._leaf_steps`` runs a stack's steps as TPU kernels, one tensor after
+    another (``engine._each_stacked``): the kernel takes each of its tensors."""
+    return bool(layout.stack) and on_tpu_kernel(kernels, layout.layer, band, hyper)
+
+
 def on_tpu_kernel(
     kernels: KernelConfig | None, layout: ChainLayout, band: int, hyper: SONewConfig
 ) -> bool:

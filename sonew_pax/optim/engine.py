@@ -49,6 +49,7 @@ from sonew_pax.optim.dispatch import (
     on_tpu_kernel,
     preconditioned,
     stack_on_kernel,
+    stack_on_tpu_kernel,
 )
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.neighbours import (
@@ -306,7 +307,10 @@ def _leaf_steps(
                 g, m[k], d[k], ei, corrections, hyper, lay, edges[k], kernels, stats
             )
         elif lay.stack:
-            steps[k] = _stacked_step(g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k])
+            tpu = kernels if stack_on_tpu_kernel(kernels, lay, band_of(ei), hyper) else None
+            steps[k] = _stacked_step(
+                g, m[k], d[k], ei, corrections, hypers[k], lay, edges[k], tpu=tpu
+            )
         else:
             tpu = kernels if on_tpu_kernel(kernels, lay, band_of(ei), hyper) else None
             steps[k] = _leaf_step(
@@ -343,6 +347,7 @@ def _stacked_step(
     edge: pallas.Edges | None,
     kernels: KernelConfig | None = None,
     stats: jax.Array | None = None,
+    tpu: KernelConfig | None = None,
 ) -> LeafStep:
     """The step of a tensor whose leading ``layout.stack`` dimensions stack tensors (a layer axis):
     each stacked tensor's step over those dimensions flattened into one, so the stack is traced
@@ -352,12 +357,12 @@ def _stacked_step(
     follow it in its buffer (``neighbours.exchanged_edges``).
 
     On XLA (``kernels`` None) the step is :func:`_leaf_step`'s on each tensor in turn
-    (:func:`_each_stacked`), ``hyper.eps`` holding one per stacked tensor with a relative
-    damping. With ``kernels`` (``dispatch.stack_on_kernel``) it is
-    one tensor's halo copies and step kernel (``kernels.gather_halos``, ``kernels.group_update``),
-    which the vectorization turns into launches with a grid axis over the stacked tensors: one
-    compiled program per stack; ``stats`` are then a relative damping's statistics of the stacked
-    tensors (the kernel scales ``eps`` from them), else ``None``."""
+    (:func:`_each_stacked`; as a TPU kernel given its config ``tpu``), ``hyper.eps`` holding one
+    per stacked tensor with a relative damping. With ``kernels`` (``dispatch.stack_on_kernel``)
+    it is one tensor's halo copies and step kernel (``kernels.gather_halos``,
+    ``kernels.group_update``), which ``jax.vmap`` turns into launches with a grid axis over the
+    stacked tensors: one compiled program per stack; ``stats`` are then a relative damping's
+    statistics of the stacked tensors (the kernel scales ``eps`` from them), else ``None``."""
     n, k, layer = layout.layers, layout.stack, layout.layer
     band = band_of(e)
     interpret = interpreted(kernels)
@@ -365,7 +370,7 @@ def _stacked_step(
     def on_xla(g, m, d, e, rows, eps):
         here = hyper if eps is None else hyper.with_eps(eps)
         edge = None if rows is None else pallas.Edges(rows, 0)
-        return _leaf_step(g, m, d, e, corrections, here, layer, edge)
+        return _leaf_step(g, m, d, e, corrections, here, layer, edge, tpu)
 
     def on_kernels(g, m, d, e, rows, stat):
         halos = edges = None

@@ -23,6 +23,7 @@ from sonew_pax.optim.dispatch import (
     on_any_kernel,
     on_gpu_kernel,
     stack_on_kernel,
+    stack_on_tpu_kernel,
 )
 from sonew_pax.optim.kernels import KernelConfig
 from sonew_pax.optim.state import Leaves
@@ -67,8 +68,9 @@ def exchanged_edges(leaves: Leaves, hyper: SONewConfig, kernels: KernelConfig | 
         band = band_of(ei)
         if band == 0 or not has_chain(lay, hyper):
             continue
-        kernel = on_any_kernel(kernels, lay, band, hyper) or stack_on_kernel(
-            kernels, lay, band, hyper
+        kernel = any(
+            on(kernels, lay, band, hyper)
+            for on in (on_any_kernel, stack_on_kernel, stack_on_tpu_kernel)
         )
         if kernel or band == 1 or _extends(grads[k].shape[lay.stack], lay.layer, band):
             groups.setdefault((lay.layer, band, jnp.dtype(d[k].dtype), kernel), []).append(k)
