@@ -7,11 +7,11 @@ topology without a TPU (``jax.experimental.topologies``: "deviceless" compilatio
 a CPU host: for each optimizer it compiles the donated update of the LM set (``updates``,
 ``lm_shapes``) on abstract arrays on one chip of ``--topology``, and reads the compiled module:
 
-* ``hbm_b_per_param``: the bytes the top-level instructions read from and write to HBM (memory
-  space 0; operands and results that XLA's memory-space assignment put in VMEM are free), per
-  parameter (:func:`hbm_bytes`). AdamW's floor is 28 (fp32: ``g``, ``m``, ``v``, ``p`` read, ``m``,
-  ``v``, ``p`` written); the compiler's own ``cost_analysis()`` counts VMEM traffic too, so it is
-  not used;
+* ``hbm_b_per_param``: the bytes the instructions read from and write to HBM (memory space 0;
+  operands and results that XLA's memory-space assignment put in VMEM are free; a loop's body
+  once per trip), per parameter (:func:`hbm_bytes`). AdamW's floor is 28 (fp32: ``g``, ``m``,
+  ``v``, ``p`` read, ``m``, ``v``, ``p`` written); the compiler's own ``cost_analysis()`` counts
+  VMEM traffic too, so it is not used;
 * ``ratio_vs_adamw``: that against AdamW's, compiled the same way: what a TPU's update time would
   be relative to AdamW's if both ran at the same bandwidth;
 * ``fusions``, ``copies`` (``copy`` and ``copy-start``): launches and layout or memory-space moves.
@@ -27,8 +27,8 @@ With ``--train_step GIN_FILE`` it compiles instead a run's whole train step (the
 once per ``--step_optimizers`` entry (:data:`STEP_OPTIMIZERS`) and ``--step_layers`` depth, and
 reads per chip its compiled ``memory_analysis()`` (arguments, outputs, aliased, temporaries,
 generated code, peak; ``total_gib`` = arguments + outputs - aliased + temporaries + code, against
-the chip's HBM) and ``hbm_gb``, :func:`hbm_bytes` of the step's entry computation (a loop counts the
-arrays it carries, not its body's traffic per iteration). With two or more depths each entry also
+the chip's HBM) and ``hbm_gb``, :func:`hbm_bytes` of the step (a loop's body once per trip). With
+two or more depths each entry also
 gets a row at the config's own depth, extrapolated linearly in layers from the two deepest
 (:func:`extrapolate`). Output (default ``benchmarks/results/tpu_compile_step.json``) as above, rows
 ``{"optimizer", "layers", "extrapolated", *memory, "hbm_gb", "total_vs_adamw", "compile_s"}``.

@@ -35,12 +35,15 @@ class Grouping:
       stacks: each entry's stacked leading axes (``scale_by_sonew``'s ``stacked_axes``): its
         parameters' own, one more for a stacked entry.
       shapes: each entry's members' shape (one shape per entry, by construction).
+      split_first: whether each entry's members are split across devices along their first axis
+        (their spec's first entry), which decides how they are stacked (:func:`_stacked`).
     """
 
     treedef: Any
     groups: tuple[tuple[int, ...], ...]
     stacks: tuple[int, ...]
     shapes: tuple[tuple[int, ...], ...]
+    split_first: tuple[bool, ...]
 
     def pack(self, tree: Any) -> list:
         """``tree`` (the parameters' structure) as the list of stored entries.
@@ -67,8 +70,8 @@ class Grouping:
                     f"stack_by_shape: the parameters had shape {shape} at init; got {found}"
                 )
         return [
-            _stacked([leaves[i] for i in group]) if len(group) > 1 else leaves[group[0]]
-            for group in self.groups
+            _stacked([leaves[i] for i in group], split) if len(group) > 1 else leaves[group[0]]
+            for group, split in zip(self.groups, self.split_first, strict=True)
         ]
 
     def unpack(self, entries: list) -> Any:
@@ -91,12 +94,14 @@ class Grouping:
         return [P(None, *(specs[g[0]] or ())) if len(g) > 1 else specs[g[0]] for g in self.groups]
 
 
-def _stacked(tensors: list) -> jax.Array:
+def _stacked(tensors: list, split_first: bool) -> jax.Array:
     """``tensors`` (of one shape) stacked on a new leading axis. Matrices and wider are
     concatenated along their first axis and reshaped, which keeps the stack row-major on a TPU:
     XLA's TPU compiler lays a ``jnp.stack`` out with the stack axis on the sublanes, where each
-    tensor's slice is strided and the stacked step moves more bytes than per tensor."""
-    if tensors[0].ndim < 2:
+    tensor's slice is strided and the stacked step moves more bytes than per tensor. Tensors
+    split along their first axis (``split_first``) are stacked as they are: concatenated along a
+    split axis, their rows would move between devices."""
+    if tensors[0].ndim < 2 or split_first:
         return jnp.stack(tensors)
     return jnp.concatenate(tensors).reshape(len(tensors), *tensors[0].shape)
 
@@ -118,7 +123,8 @@ def grouping_of(params: Any, stacked_axes: Any, param_specs: Any) -> Grouping:
     groups = tuple(tuple(group) for group in members.values())
     stacks = tuple(counts[g[0]] + (len(g) > 1) for g in groups)
     shapes = tuple(tuple(jnp.shape(leaves[g[0]])) for g in groups)
-    return Grouping(treedef, groups, stacks, shapes)
+    split = tuple(key[3][:1] not in ((), (None,)) for key in members)
+    return Grouping(treedef, groups, stacks, shapes, split)
 
 
 def _spec_key(spec: Any, ndim: int) -> tuple:
