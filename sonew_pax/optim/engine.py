@@ -351,9 +351,9 @@ def _stacked_step(
 ) -> LeafStep:
     """The step of a tensor whose leading ``layout.stack`` dimensions stack tensors (a layer axis):
     each stacked tensor's step over those dimensions flattened into one, so the stack is traced
-    and compiled once, not once per tensor. Each stacked tensor has its own
-    chain, its own damping and, from ``slots.norm_results``, its own graft ratio: the norm pairs
-    come as ``(layers, pairs, tiles)``. ``edge`` is that of the first stacked tensor; the others'
+    and compiled once, not once per tensor. Each stacked tensor has its own chain, its own
+    damping and, from ``slots.norm_results``, its own graft ratio: the norm pairs come as
+    ``(layers, pairs, tiles)``. ``edge`` is that of the first stacked tensor; the others'
     follow it in its buffer (``neighbours.exchanged_edges``).
 
     On XLA (``kernels`` None) the step is :func:`_leaf_step`'s on each tensor in turn
@@ -434,13 +434,13 @@ def _each_stacked(one: Callable, arrays: tuple, band: int, n: int) -> LeafStep:
         i, *others = xs
         take, put = jax.lax.dynamic_index_in_dim, jax.lax.dynamic_update_index_in_dim
         mine = [
-            jax.tree.map(lambda x, a=axis: take(x, i, a, keepdims=False), x)
-            for x, axis in zip(carry, axes, strict=True)
+            jax.tree.map(lambda leaf, a=axis: take(leaf, i, a, keepdims=False), stack)
+            for stack, axis in zip(carry, axes, strict=True)
         ]
         step = one(*mine, *others)
         carry = tuple(
-            jax.tree.map(lambda x, y, a=axis: put(x, y, i, a), old, new)
-            for old, new, axis in zip(carry, step[:4], axes, strict=True)
+            jax.tree.map(lambda leaf, y, a=axis: put(leaf, y, i, a), stack, new)
+            for stack, new, axis in zip(carry, step[:4], axes, strict=True)
         )
         return carry, step.pairs
 
