@@ -28,9 +28,9 @@ once per ``--step_optimizers`` entry (:data:`STEP_OPTIMIZERS`) and ``--step_laye
 reads per chip its compiled ``memory_analysis()`` (arguments, outputs, aliased, temporaries,
 generated code, peak; ``total_gib`` = arguments + outputs - aliased + temporaries + code, against
 the chip's HBM) and ``hbm_gb``, :func:`hbm_bytes` of the step (a loop's body once per trip). With
-two or more depths each entry also
-gets a row at the config's own depth, extrapolated linearly in layers from the two deepest
-(:func:`extrapolate`). Output (default ``benchmarks/results/tpu_compile_step.json``) as above, rows
+two or more depths each entry also gets a row at the config's own depth, extrapolated linearly in
+layers from the two deepest (:func:`extrapolate`). Output (default
+``benchmarks/results/tpu_compile_step.json``) as above, rows
 ``{"optimizer", "layers", "extrapolated", *memory, "hbm_gb", "total_vs_adamw", "compile_s"}``.
 
 Usage: ``python -m benchmarks.tpu_compile [--topology v5e:2x2] [--optimizers adamw,sonew_tridiag]``,
