@@ -158,7 +158,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     p = common.argument_parser(__doc__)
     common.add_model_args(p, model="350m", dtype="bfloat16", batch_size=16, seq_len=1024)
-    common.add_optimizers_arg(p, train_step.OPTIMIZERS, "adamw,sonew_tridiag_auto_by_shape")
+    common.add_optimizers_arg(p, train_step.OPTIMIZERS, "adamw,sonew_tridiag_auto_by_shape_e16")
     p.add_argument(
         "--attention",
         choices=("auto", "xla", "cudnn", "splash"),
