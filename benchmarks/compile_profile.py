@@ -29,11 +29,13 @@ the profiler, and sums the host's trace events of XLA's GPU compiler by name:
 ``--gpu_target_config`` compiles for a GPU described by a ``GpuTargetConfigProto`` in text form
 (what ``XLA_FLAGS=--xla_dump_to=DIR`` writes as ``*.gpu_target_config.pbtxt`` on a GPU machine;
 ``benchmarks/targets/`` keeps an H200's) on any host with JAX's CUDA plugin (``pip install
-'jax[cuda12]'``) and no GPU: every phase but autotuning runs on the host's CPUs, so the times are
-the host's. Without it, the update compiles for the first local device. The rows compile in one
-process, in the order given: what XLA caches in a process (autotuning results; a Triton kernel
-whose IR another row compiled) is then cheaper for the later rows, as in a training script that
-compiles its train step after another program.
+'jax[cuda12]'``) and no GPU (with no driver either, set ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` and
+``JAX_PLATFORMS=cpu``: the plugin then skips its driver check and still compiles for the
+target): every phase but autotuning runs on the host's CPUs, so the times are the host's.
+Without it, the update compiles for the first local device. The rows compile in one process,
+in the order given: what XLA caches in a process (autotuning results; a Triton kernel whose IR
+another row compiled) is then cheaper for the later rows, as in a training script that compiles
+its train step after another program.
 
 Output: a table, and ``--out`` (default ``benchmarks/results/compile_profile.json``) ``{"device",
 "date", "params", "config", "rows": [{"optimizer", "compile_s", "compile_ratio_vs_adamw", ...}]}``.
@@ -86,7 +88,9 @@ def target_device(config_path: str | None):
     except Exception as error:  # no CUDA plugin, or a config this jaxlib cannot parse
         raise SystemExit(
             f"compile_profile: no GPU from {config_path} ({type(error).__name__}: {error}); this "
-            "needs JAX's CUDA plugin: pip install 'jax[cuda12]' for this JAX's version"
+            "needs JAX's CUDA plugin and CUDA's libraries: pip install 'jax[cuda12]' for this "
+            "JAX's version; on a host without a GPU driver also set "
+            "JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 and JAX_PLATFORMS=cpu"
         ) from error
     return topology.devices[0]
 
