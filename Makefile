@@ -39,10 +39,15 @@ $(SEQIO_STAMP): $(STAMP) pyproject.toml Makefile
 demo: setup
 	$(PY) -m sonew_pax.demo --model_dir=$(DEMO_DIR)
 
+# The seqio venv is built while the suite runs: pip unpacking TensorFlow keeps one core busy for
+# about a minute, which the suite's two workers share instead of waiting for it.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest
-	$(MAKE) test-seqio
+	$(MAKE) setup-seqio & seqio=$$!; \
+	  $(PY) -m pytest; tests=$$?; \
+	  wait $$seqio || exit 1; \
+	  [ $$tests -eq 0 ] || exit $$tests; \
+	  $(MAKE) test-seqio
 
 test-seqio: setup-seqio
 	$(SEQIO_VENV)/bin/python -m pytest -n0 -m seqio tests/test_data.py
