@@ -13,7 +13,7 @@ SEQIO_VENV  := .venv-seqio
 SEQIO_STAMP := $(SEQIO_VENV)/.installed
 DEMO_DIR ?= $(CURDIR)/runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup setup-seqio demo test test-seqio lint clean
+.PHONY: setup setup-seqio demo test test-main test-seqio lint clean
 
 setup: $(STAMP)
 
@@ -39,15 +39,16 @@ $(SEQIO_STAMP): $(STAMP) pyproject.toml Makefile
 demo: setup
 	$(PY) -m sonew_pax.demo --model_dir=$(DEMO_DIR)
 
-# The seqio venv is built while the suite runs: pip unpacking TensorFlow keeps one core busy for
-# about a minute, which the suite's two workers share instead of waiting for it.
+# The seqio venv is built while the suite runs (make's jobs: an interrupt stops both): pip
+# unpacking TensorFlow keeps one core busy for about a minute, which the suite's two workers share
+# instead of waiting for it.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(MAKE) setup-seqio & seqio=$$!; \
-	  $(PY) -m pytest; tests=$$?; \
-	  wait $$seqio || exit 1; \
-	  [ $$tests -eq 0 ] || exit $$tests; \
-	  $(MAKE) test-seqio
+	$(MAKE) -j2 test-main setup-seqio
+	$(MAKE) test-seqio
+
+test-main: setup
+	$(PY) -m pytest
 
 test-seqio: setup-seqio
 	$(SEQIO_VENV)/bin/python -m pytest -n0 -m seqio tests/test_data.py
