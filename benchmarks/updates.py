@@ -5,12 +5,12 @@ Rows by name (``OPTIMIZERS``): ``adamw`` and the SONew variants of ``SONEW_VARIA
 with ``_pallas`` with the Pallas kernels of ``sonew_pax/optim/kernels``; ``_lag`` with
 ``graft_lag=True``; ``_bf16`` with momentum and off-diagonals stored in bfloat16; and
 ``sonew_tridiag_auto``, ``sonew(lr, band=1)`` as a user gets it: the kernels on GPU wherever
-they apply, XLA elsewhere; ``sonew_tridiag_absolute``, the same with
-``damping="absolute"`` (the default damping is relative: it adds a norm pair to each step and a
-scalar per tensor to the state); ``sonew_tridiag_by_shape`` and ``sonew_tridiag_auto_by_shape``, the
-XLA and the default rows with ``stack_by_shape=True`` (the parameters of one shape stored and
-stepped as one stack); ``sonew_tridiag_auto_by_shape_e16``, the same with the off-diagonals ``e``
-stored in bfloat16 (4 B/param less traffic, 2 B/param less state): the trainer's gin file.
+they apply, XLA elsewhere; ``sonew_tridiag_absolute``, the same with ``damping="absolute"`` (the
+default damping is relative: it adds a norm pair to each step and a scalar per tensor to the
+state); ``sonew_tridiag_by_shape`` and ``sonew_tridiag_auto_by_shape``, the XLA and the default
+rows with ``stack_by_shape=True`` (the parameters of one shape stored and stepped as one stack);
+``sonew_tridiag_auto_by_shape_e16``, the same with the off-diagonals ``e`` stored in bfloat16
+(4 B/param less traffic, 2 B/param less state): the trainer's gin file.
 """
 
 from collections.abc import Callable
