@@ -85,7 +85,7 @@ def test_sharded_stacked_by_shape_equals_unsharded_stepped_apart(x64, band):
         assert_close(e_step, g_step, 1e-10)
     stacked = state[0]
     assert stacked.grouping.groups == ((0, 1), (2,), (3, 4), (5, 6), (7, 8), (9,))
-    # The a stack is split along its members' first axis (stacked as they are), the s stack not
+    # The first stack is split along its members' first axis (stacked as they are), the fourth not
     # (concatenated along it, grouping._stacked): both equal the unsharded steps above.
     assert stacked.grouping.split_first[0] and not stacked.grouping.split_first[3]
     state_specs = state_partition_specs(state, specs)[0]

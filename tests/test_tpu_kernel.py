@@ -97,9 +97,9 @@ def test_stacked_kernels_equal_the_xla_step(x64, band):
     them in turn: three steps equal the XLA step's."""
     params = {"layers": jnp.zeros((3, 64, 256)), "a": jnp.zeros((48, 384))}
     params |= {"b": jnp.zeros((48, 384)), "vec": jnp.zeros((40,))}
-    kwargs = dict(band=band, stats_dtype=jnp.float64, stacked_axes={"layers": 1, "a": 0})
+    stacked_axes = {"layers": 1, "a": 0, "b": 0, "vec": 0}
+    kwargs = dict(band=band, stats_dtype=jnp.float64, stacked_axes=stacked_axes)
     kwargs |= dict(stack_by_shape=True)
-    kwargs["stacked_axes"] |= {"b": 0, "vec": 0}
     grads = _grads(params, 3)
     expect, expect_state = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
     got, state = run(
