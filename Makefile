@@ -40,8 +40,8 @@ demo: setup
 	$(PY) -m sonew_pax.demo --model_dir=$(DEMO_DIR)
 
 # The seqio venv is built while the suite runs (make's jobs: an interrupt stops both): pip
-# unpacking TensorFlow keeps one core busy for about a minute, which the suite's two workers share
-# instead of waiting for it.
+# unpacking TensorFlow keeps one core busy, which the suite's two workers share instead of
+# waiting for it.
 test: setup
 	$(VENV)/bin/ruff check .
 	$(MAKE) -j2 test-main setup-seqio
