@@ -103,12 +103,12 @@ def hyperparameters(
     sonew_graft_lag: bool = optim.DEFAULT_GRAFT_LAG,
     **sonew_options: Any,
 ) -> dict[str, dict]:
-    """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is
-    ``sonew_eps`` (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``,
-    its ``damping`` ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``. Each of
-    ``sonew_options`` (``offdiag_dtype``, ``stack_by_shape``) is a further ``sonew`` argument,
-    set only where not None: left to the library, it stays out of the JSON, and results of
-    sweeps that never set it still merge with these."""
+    """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is ``sonew_eps``
+    (the JSON's config records the list of swept values), its ``b2`` ``sonew_b2``, its ``damping``
+    ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``. Each of ``sonew_options``
+    (``offdiag_dtype``, ``stack_by_shape``, ``stack_dtype``) is a further ``sonew`` argument, set
+    only where not None: left to the library, it stays out of the JSON, and results of sweeps that
+    never set it still merge with these."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
@@ -128,6 +128,7 @@ def hyperparameters_of(args: argparse.Namespace, sonew_eps: float | None = None)
         args.sonew_graft_lag,
         offdiag_dtype=args.sonew_offdiag_dtype,
         stack_by_shape=args.sonew_stack_by_shape,
+        stack_dtype=args.sonew_stack_dtype,
     )
 
 
@@ -499,6 +500,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_offdiag_dtype",
         choices=("float32", "bfloat16"),
         help="storage dtype of SONew's off-diagonal statistics e (default: the library's)",
+    )
+    p.add_argument(
+        "--sonew_stack_dtype",
+        choices=("float32", "bfloat16"),
+        help="dtype of SONew's stacked copy of the gradients (stack_by_shape; default: theirs)",
     )
     p.add_argument("--out", type=Path, default=common.RESULTS / "lm_convergence.json")
     p.add_argument("--plot_only", action="store_true", help="redraw --out's PNG and markdown")

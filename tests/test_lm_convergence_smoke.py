@@ -334,6 +334,16 @@ def test_sonew_offdiag_dtype_flag_stores_e_in_it():
     assert {leaf.dtype for leaf in jax.tree.leaves(state.d)} == {jnp.dtype(jnp.float32)}
 
 
+def test_sonew_stack_dtype_flag_reaches_sonew():
+    args = ["--sonew_stack_by_shape", "on", "--sonew_stack_dtype", "bfloat16"]
+    hp = lm_convergence.hyperparameters_of(lm_convergence.parse_args(args))["sonew_tridiag"]
+    assert hp["stack_dtype"] == "bfloat16" and hp["stack_by_shape"]
+    lm_convergence.base_factory("sonew_tridiag", hp)(1e-3)  # accepted by sonew
+    alone = lm_convergence.hyperparameters_of(lm_convergence.parse_args(args[2:]))
+    with pytest.raises(ValueError, match="needs stack_by_shape=True"):
+        lm_convergence.base_factory("sonew_tridiag", alone["sonew_tridiag"])(1e-3)
+
+
 def test_expected_seconds_is_the_optimizers_longest_run_else_any():
     runs = [{"optimizer": "adamw", "seconds": 10.0}, {"optimizer": "adamw", "seconds": 12.0}]
     assert lm_convergence.expected_seconds([], "adamw") is None

@@ -13,6 +13,7 @@ from jax.sharding import PartitionSpec as P
 from sonew_pax.optim import (
     StackedByShapeState,
     apply_gradients,
+    kernels,
     scale_by_sonew,
     sonew,
     state_partition_specs,
@@ -157,3 +158,47 @@ def test_gradients_unlike_the_parameters_are_named_errors():
         alone.update({"b": jnp.zeros((1, 12))}, alone.init({"b": jnp.zeros((8, 12))}))
     with pytest.raises(ValueError, match=re.escape("got ['u'] (12, 8), ['w'] (12, 8)")):
         tx.update({"w": jnp.zeros((12, 8)), "u": jnp.zeros((12, 8))}, state, params)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_bfloat16_stacks_of_bfloat16_gradients_change_only_the_rounding_of_u(
+    implementation, monkeypatch
+):
+    """``stack_dtype="bfloat16"`` on gradients that are bfloat16 values (a bfloat16 model's
+    weights' gradients): the copy is exact, so the state equals float32 stacking's bit for bit;
+    each update differs only by its direction's rounding to bfloat16 (the kernels write such a
+    stack's ``u`` in it), and comes back in the gradients' dtype."""
+    params, grads = _problem()
+    params = {k: x.astype(jnp.float32) for k, x in params.items()}
+    grads = [{k: x.astype(jnp.bfloat16).astype(jnp.float32) for k, x in g.items()} for g in grads]
+    kwargs = dict(band=1, stacked_axes=STACKS, stack_by_shape=True, implementation=implementation)
+    expect, expect_state = run(sonew(0.1, **kwargs), params, grads)
+    directions, real = [], kernels.group_update
+
+    def spy(gs, *args, **kw):
+        steps = real(gs, *args, **kw)
+        directions.extend((g.dtype, step[0].dtype) for g, step in zip(gs, steps, strict=True))
+        return steps
+
+    monkeypatch.setattr(kernels, "group_update", spy)
+    got, state = run(sonew(0.1, stack_dtype="bfloat16", **kwargs), params, grads)
+    for e_step, g_step in zip(expect, got, strict=True):
+        for name in e_step:
+            assert g_step[name].dtype == jnp.float32, name
+            np.testing.assert_allclose(g_step[name], e_step[name], rtol=2**-8, err_msg=name)
+    for name in ("m", "d", "e"):
+        jax.tree.map(
+            np.testing.assert_array_equal,
+            getattr(state[0].inner, name),
+            getattr(expect_state[0].inner, name),
+        )
+    if implementation == "pallas":  # the stacked tensors' kernels read and write bfloat16
+        assert (jnp.bfloat16, jnp.bfloat16) in directions
+        assert all(u == (g if g == jnp.bfloat16 else jnp.float32) for g, u in directions)
+
+
+def test_stack_dtype_is_checked():
+    with pytest.raises(ValueError, match=r"stack_dtype='bfloat16' .* needs stack_by_shape=True"):
+        sonew(0.1, stack_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"stack_dtype must be a float dtype, got 'int8'\."):
+        sonew(0.1, stack_by_shape=True, stack_dtype="int8")

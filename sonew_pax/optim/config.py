@@ -80,6 +80,7 @@ class SONewConfig:
     damping: Damping = DEFAULT_DAMPING
     stacked_axes: Any = None
     stack_by_shape: bool = False
+    stack_dtype: jax.typing.DTypeLike | None = None
 
     def __post_init__(self) -> None:
         _check_choice("graft", self.graft, GRAFTS)
@@ -96,6 +97,14 @@ class SONewConfig:
                 "state's layout. Under optax.inject_hyperparams, keep it static: "
                 "static_args=('stack_by_shape',)."
             )
+        if self.stack_dtype is not None:
+            if not self.stack_by_shape:
+                raise ValueError(
+                    f"stack_dtype={self.stack_dtype!r} sets the dtype of stack_by_shape's copy "
+                    "of the gradients: it needs stack_by_shape=True."
+                )
+            if not jnp.issubdtype(as_dtype(self.stack_dtype), jnp.floating):
+                raise ValueError(f"stack_dtype must be a float dtype, got {self.stack_dtype!r}.")
         _check_choice("implementation", self.implementation, IMPLEMENTATIONS)
         static_band(self.band)
         mu, stats, offdiag = self.dtypes

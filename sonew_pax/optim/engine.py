@@ -524,7 +524,8 @@ def make_step(config: SONewConfig, mesh: Any, param_specs: Any, unpacked: bool =
       param_specs: the parameters' ``PartitionSpec``s on ``mesh`` (``None`` without one).
       unpacked: the stacks are parameters packed by shape (``stack_by_shape``), sliced apart
         after the step: each stacked tensor's direction is then grafted on its own, so that XLA
-        fuses its scale into its parameter's apply (``slots.grafted``).
+        fuses its scale into its parameter's apply (``slots.grafted``), and left in the graft's
+        dtype for the caller to cast to each parameter's gradients' dtype.
 
     Returns:
       ``step(updates, m, d, e, ratio, diag, corrections, apply=None) -> (out, m, d, e, ratio,
@@ -585,7 +586,10 @@ def make_step(config: SONewConfig, mesh: Any, param_specs: Any, unpacked: bool =
                 x = step.u
             else:
                 fresh = None if fresh is None else per_tensor(fresh, lay, flat=True)
-                x = grafted(step.u, fresh, old, lay, unpacked).astype(g.dtype)
+                x = grafted(step.u, fresh, old, lay, unpacked)
+                # Packed stacks (unpacked) are cast to each member's gradients' dtype after
+                # unpacking: a stack copied in a narrower dtype (stack_dtype) rounds only u.
+                x = x if unpacked else x.astype(g.dtype)
                 if apply is not None:
                     decay = apply.weight_decay if flag else 0.0
                     x = pointwise.apply_update(p, x, 1, decay, apply.scale).astype(p.dtype)

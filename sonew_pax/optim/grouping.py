@@ -45,8 +45,9 @@ class Grouping:
     shapes: tuple[tuple[int, ...], ...]
     split_first: tuple[bool, ...]
 
-    def pack(self, tree: Any) -> list:
-        """``tree`` (the parameters' structure) as the list of stored entries.
+    def pack(self, tree: Any, dtype: Any = None) -> list:
+        """``tree`` (the parameters' structure) as the list of stored entries, the stacked ones
+        in ``dtype`` where given (``None``: their members'), cast as they are copied.
 
         Raises:
           ValueError: ``tree``'s structure or a leaf's shape is not the parameters' at ``init``
@@ -70,7 +71,9 @@ class Grouping:
                     f"stack_by_shape: the parameters had shape {shape} at init; got {found}"
                 )
         return [
-            _stacked([leaves[i] for i in group], split) if len(group) > 1 else leaves[group[0]]
+            _stacked([leaves[i] for i in group], split, dtype)
+            if len(group) > 1
+            else leaves[group[0]]
             for group, split in zip(self.groups, self.split_first, strict=True)
         ]
 
@@ -94,13 +97,16 @@ class Grouping:
         return [P(None, *(specs[g[0]] or ())) if len(g) > 1 else specs[g[0]] for g in self.groups]
 
 
-def _stacked(tensors: list, split_first: bool) -> jax.Array:
-    """``tensors`` (of one shape) stacked on a new leading axis. Matrices and wider are
+def _stacked(tensors: list, split_first: bool, dtype: Any = None) -> jax.Array:
+    """``tensors`` (of one shape) stacked on a new leading axis, in ``dtype`` (``None``: theirs;
+    XLA fuses the cast into the copy). Matrices and wider are
     concatenated along their first axis and reshaped, which keeps the stack row-major on a TPU:
     XLA's TPU compiler lays a ``jnp.stack`` out with the stack axis on the sublanes, where each
     tensor's slice is strided and the stacked step moves more bytes than per tensor. Tensors
     split along their first axis (``split_first``) are stacked as they are: concatenated along a
     split axis, their rows would move between devices."""
+    if dtype is not None:
+        tensors = [x.astype(dtype) for x in tensors]
     if tensors[0].ndim < 2 or split_first:
         return jnp.stack(tensors)
     return jnp.concatenate(tensors).reshape(len(tensors), *tensors[0].shape)

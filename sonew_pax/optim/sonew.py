@@ -133,6 +133,7 @@ def scale_by_sonew(
     damping: Damping = _DEFAULT.damping,
     stacked_axes: Any = _DEFAULT.stacked_axes,
     stack_by_shape: bool = _DEFAULT.stack_by_shape,
+    stack_dtype: jax.typing.DTypeLike | None = _DEFAULT.stack_dtype,
 ) -> optax.GradientTransformationExtraArgs:
     """SONew preconditioning with Adam grafting (no learning rate, no weight decay).
 
@@ -227,6 +228,13 @@ def scale_by_sonew(
         update equals the unstacked one; the state is a :class:`grouping.StackedByShapeState`.
         ``apply`` then adds the update as ``optax.apply_updates`` would (no fused apply).
         Structural: with ``optax.inject_hyperparams`` pass it in ``static_args``.
+      stack_dtype: with ``stack_by_shape``, the dtype of each step's stacked copy of the
+        gradients (``None``: theirs), which the stacks' step then reads. A 16-bit float halves
+        the copy's writes and the step's reads of ``g``, and the kernels write such stacks' ``u``
+        in it too (:func:`engine.make_step`). A model that computes in bfloat16 gets bfloat16
+        values as the gradients of the weights it casts to bfloat16 (the backward's matmuls
+        produce them), so a bfloat16 copy of those is exact; other gradients, and those clipping
+        has scaled, are rounded to it (a relative ``2^-9``).
 
     Returns:
       A :class:`~sonew_pax.optim.transform.GradientTransformationWithApply`: an
@@ -390,7 +398,7 @@ def _stacked_by_shape(
 
     def over(grouping: grouping_lib.Grouping) -> GradientTransformationWithApply:
         packed = dataclasses.replace(
-            config, stacked_axes=list(grouping.stacks), stack_by_shape=False
+            config, stacked_axes=list(grouping.stacks), stack_by_shape=False, stack_dtype=None
         )
         return _scale_by_sonew(packed, mesh, grouping.specs(param_specs), unpacked=True)
 
@@ -405,8 +413,11 @@ def _stacked_by_shape(
         updates = _as_arrays(updates)
         _check_real_floats(updates, "gradients")
         grouping = state.grouping
-        packed, inner = over(grouping).update(grouping.pack(updates), state.inner)
-        return grouping.unpack(packed), StackedByShapeState(inner, grouping)
+        stacked = grouping.pack(updates, config.stack_dtype)
+        packed, inner = over(grouping).update(stacked, state.inner)
+        # In the gradients' dtypes, as optax's updates are (a cast that XLA fuses into the apply).
+        direction = jax.tree.map(lambda u, g: u.astype(g.dtype), grouping.unpack(packed), updates)
+        return direction, StackedByShapeState(inner, grouping)
 
     def apply_fn(updates, state, params, *, scale=1.0, weight_decay=0.0, mask=None, **extra):
         del extra
@@ -447,6 +458,7 @@ def sonew(
     damping: Damping = _DEFAULT.damping,
     stacked_axes: Any = _DEFAULT.stacked_axes,
     stack_by_shape: bool = _DEFAULT.stack_by_shape,
+    stack_dtype: jax.typing.DTypeLike | None = _DEFAULT.stack_dtype,
 ) -> GradientTransformationWithApply:
     """The SONew optimizer: ``update = -lr * (u + weight_decay * param)``.
 
@@ -499,6 +511,7 @@ def sonew(
       stack_by_shape: store and step the parameters of one shape (and dtype, stacking, layout)
         as one stack: the same update, compiled and launched once per shape instead of once per
         tensor, for a stacked copy of the gradients per step.
+      stack_dtype: with ``stack_by_shape``, the dtype of that copy (16-bit: fewer bytes moved).
 
       :func:`scale_by_sonew` says more of each.
 

@@ -31,6 +31,14 @@ def launch_key(g: jax.Array, m: jax.Array, d: jax.Array, e: Any, apply: Apply | 
     return g.shape, band, dtypes, fused_apply
 
 
+def direction_dtype(g_dtype: Any, compute: Any) -> jnp.dtype:
+    """The dtype the kernels write ``u`` in: the gradients' where they are a 16-bit float (the
+    step returns ``u`` in the gradients' dtype, so only its rounding moves, before the graft's
+    scale, and its write and the apply's read are halved), else the arithmetic's ``compute``."""
+    g_dtype = jnp.dtype(g_dtype)
+    return g_dtype if jnp.finfo(g_dtype).bits < 32 else jnp.dtype(compute)
+
+
 def leaf_update(
     g: jax.Array,
     m: jax.Array,
@@ -54,8 +62,8 @@ def leaf_update(
     (``geometry.tile_view``) with ``num_warps`` warps; default ``geometry.default_tile`` of
     ``config`` (:class:`KernelConfig`). Band 0 runs ``diagonal.diagonal_kernel``, band 1
     ``scan.scan_kernel``, bands >= 2 ``banded.banded_kernel``. Returns ``(u, m, d, e, parts)``:
-    the ungrafted direction in the arithmetic's dtype (``pointwise.compute_dtype`` of ``d``'s),
-    the new state in the stored dtypes, and per tile
+    the ungrafted direction (in :func:`direction_dtype`), the new state in the stored dtypes, and
+    per tile
     the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
     tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u``, then with a relative damping
     (``hyper.damping``) those of ``sqrt(d_hat)`` (``(6, tiles)``); ``None`` without them (no
@@ -167,6 +175,7 @@ def group_update(
         relative,
         (rows, cols, num_warps),
         dtypes[1:],  # the state's
+        direction_dtype(dtypes[0], compute),
         kernel,
         (stack, config.scan_ahead) if kernel == "scan" else None,
         interpret,
@@ -195,6 +204,7 @@ def step_call(
     relative,
     tile,
     state_dtypes,
+    u_dtype,
     kernel,
     walks,
     interpret,
@@ -206,19 +216,19 @@ def step_call(
     """:func:`leaf_update`'s ``kernel`` (``"diagonal"``, ``"scan"`` with ``walks = (stack, ahead)``:
     ``stack`` walks per program, each loading ``ahead`` rows ahead, or ``"band"`` for bands >= 2)
     for one static configuration (``relative``: a relative damping, whose statistic each tensor
-    passes among its ``halo_inputs`` and whose ``sqrt(d_hat)`` adds a norm pair;
-    with the fused apply when ``apply`` is the parameters' ``(dtype,
-    decayed)``, not ``None``; ``halo_inputs``: how many inputs come between the state and the
-    parameters; ``count``: tensors per launch, :func:`group_update`; ``contract``: whether the
-    kernel's ``fma.madd`` are fused multiply-adds), jitted and cached: the tensors of one shape
-    then call one jitted function, which JAX lowers to Triton once per program instead of once
-    per tensor, and whose Triton module the program holds once (lowering dominates the first
-    step's time otherwise)."""
+    passes among its ``halo_inputs`` and whose ``sqrt(d_hat)`` adds a norm pair; ``u`` written in
+    ``u_dtype``, or with the fused apply when ``apply`` is the parameters' ``(dtype, decayed)``, not
+    ``None``, the parameters in theirs; ``halo_inputs``: how many inputs come between the state and
+    the parameters; ``count``: tensors per launch, :func:`group_update`; ``contract``: whether the
+    kernel's ``fma.madd`` are fused multiply-adds), jitted and cached: the tensors of one shape then
+    call one jitted function, which JAX lowers to Triton once per program instead of once per
+    tensor, and whose Triton module the program holds once (lowering dominates the first step's time
+    otherwise)."""
     rows, cols, num_warps = tile
     num_rows, num_cols = tile_view(shape)
     grid = (pl.cdiv(num_rows, rows), pl.cdiv(num_cols, cols))
     size, compute = math.prod(shape), pointwise.compute_dtype(state_dtypes[1])
-    params_dtype, decayed = apply or (compute, False)
+    params_dtype, decayed = apply or (u_dtype, False)
     outputs = [jax.ShapeDtypeStruct((size,), params_dtype)]
     sizes = (size, size, max(band, 1) * size)[: len(state_dtypes)]  # m, d and e
     outputs += [jax.ShapeDtypeStruct((n,), t) for n, t in zip(sizes, state_dtypes, strict=True)]
