@@ -8,11 +8,12 @@
   "seconds", "first_step_s", "first_eval_s", "ms_per_step", "curve": {"step", "eval_loss",
   "train_loss"}}`` (``eps``: SONew's damping, null for the others; ``first_eval_s``: of
   ``first_step_s``, the state's init and the step-0 evaluation, compiles included; ``ms_per_step``
-  excludes evaluations);
+  excludes evaluations; a merged result's runs also name their ``device``);
 * ``rows`` has one per optimizer, its best setting (`summary_rows`): ``{"optimizer",
   "learning_rate", "eps", "final_eval_loss", "steps_to_adamw_final", "steps_ratio_vs_adamw", ...,
   "ms_per_step", "seconds_ratio_vs_adamw", "lr_at_grid_edge", "eps_at_grid_edge", ...}``
-  (``seconds_ratio_vs_adamw``: ``steps_ratio_vs_adamw`` times the step-time ratio).
+  (``seconds_ratio_vs_adamw``: ``steps_ratio_vs_adamw`` times the step-time ratio, both times
+  from the card most of AdamW's runs ran on, `timing_card`).
 
 Beside the JSON, ``.md`` holds the tables and ``.png`` the held-out loss against steps (each
 optimizer's best run bold, its sweep faint) and against seconds of training steps. Older results
@@ -208,7 +209,7 @@ def summary_rows(
     eps, seeds = eps or {}, seeds or [0]
     chosen = best_runs(mean_over_seeds(runs, sweep_seeds(runs, seeds) or seeds[:1]))
     best = {name: run_key(run) for name, run in chosen.items()}
-    times = step_ms(runs)
+    times = step_ms(runs, timing_card(runs))
     rows = []
     for name in OPTIMIZERS:
         if name not in best:
@@ -265,12 +266,20 @@ def _ratio_per_seed(runs, key, best, seeds) -> list[float | None]:
     ]
 
 
-def step_ms(runs: list[dict]) -> dict[str, float]:
+def timing_card(runs: list[dict]) -> str | None:
+    """The card whose step times the wall-clock columns compare: the one most of AdamW's runs
+    ran on (a merged result's runs name theirs, `merge_results`); ``None`` where none is named."""
+    cards = [r["device"] for r in runs if r["optimizer"] == BASELINE and r.get("device")]
+    return max(sorted(set(cards)), key=cards.count) if cards else None
+
+
+def step_ms(runs: list[dict], card: str | None = None) -> dict[str, float]:
     """Each optimizer's median ``ms_per_step`` over its runs (every setting runs the same
-    compiled step; evaluations excluded)."""
+    compiled step; evaluations excluded) on ``card`` (runs that name no card count for any):
+    step times of different cards are not compared."""
     times: dict[str, list[float]] = {}
     for run in runs:
-        if run.get("ms_per_step"):
+        if run.get("ms_per_step") and (card is None or run.get("device", card) == card):
             times.setdefault(run["optimizer"], []).append(run["ms_per_step"])
     return {name: float(np.median(values)) for name, values in times.items()}
 
@@ -310,7 +319,7 @@ def plot(result: dict, path: Path) -> bool:
     best = {run_key(row) for row in result["rows"]}
     runs = averaged_runs(result["runs"], seeds_of(result["config"]))
     fig, axes = plt.subplots(1, 3, figsize=(19, 5))
-    times = step_ms(result["runs"])
+    times = step_ms(result["runs"], timing_card(result["runs"]))
     for run in runs:
         if run_key(run) in best and run["optimizer"] in times:
             _plot_run(axes[2], run, True, False, seconds_per_step=times[run["optimizer"]] / 1e3)
@@ -450,7 +459,10 @@ def merge_results(results: list[dict]) -> dict:
     for result in results:
         own = seeds_of(result["config"])
         seeds += [s for s in own if s not in seeds]
-        runs += [{**run, "seed": run.get("seed", own[0])} for run in result["runs"]]
+        runs += [
+            {**run, "seed": run.get("seed", own[0]), "device": run.get("device", result["device"])}
+            for run in result["runs"]
+        ]
     keys = [(*run_key(run), run["seed"]) for run in runs]
     if len(set(keys)) != len(keys):
         raise ValueError("cannot merge: a setting ran twice from one seed")

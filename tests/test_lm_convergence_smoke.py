@@ -83,6 +83,13 @@ def test_seconds_ratio_is_the_steps_ratio_times_the_step_time_ratio():
     assert abs(convergence_report._seconds_ratio(row, times["adamw"]) - 0.8 * 1.2) < 1e-12
     assert convergence_report._seconds_ratio({**row, "steps_ratio_vs_adamw": None}, 11.0) is None
 
+    # Merged from several cards: only the card of most of AdamW's runs is timed.
+    cards = ["H200", "H200", "H100", "H100", None]
+    named = [{**run, "device": card} for run, card in zip(runs, cards, strict=True) if card]
+    named[-1]["ms_per_step"] = 20.0
+    assert convergence_report.timing_card(named) == "H200"
+    assert convergence_report.step_ms(named, "H200") == {"adamw": 11.0}
+
 
 def test_sonew_damping_flag_reaches_only_sonew():
     args = lm_convergence.parse_args(["--sonew_damping", "mean"])
@@ -260,6 +267,7 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
         del run["seed"]  # older results: the config's seed
     merged = convergence_report.merge_results([sweep, best_again, wider])
     assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
+    assert {run["device"] for run in merged["runs"]} == {"cpu"}  # each run names its card
     # the grids are the rates that ran: 8.0, listed but not run, is no grid edge
     assert merged["config"]["learning_rates"]["adamw"] == [1.0, 2.0, 4.0]
     rows = {row["optimizer"]: row for row in merged["rows"]}
