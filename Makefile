@@ -39,12 +39,13 @@ $(SEQIO_STAMP): $(STAMP) pyproject.toml Makefile
 demo: setup
 	$(PY) -m sonew_pax.demo --model_dir=$(DEMO_DIR)
 
-# The seqio venv is built, and its test run, while the suite runs (make's jobs: an interrupt
-# stops both): pip unpacking TensorFlow keeps one core busy, which the suite's two workers share
-# instead of waiting for it.
+# The seqio venv is built while the suite runs (make's jobs: an interrupt stops both): pip
+# unpacking TensorFlow keeps one core busy, which the suite's two workers share instead of
+# waiting for it.
 test: setup
 	$(VENV)/bin/ruff check .
-	$(MAKE) -j2 test-main test-seqio
+	$(MAKE) -j2 test-main setup-seqio
+	$(MAKE) test-seqio
 
 test-main: setup
 	$(PY) -m pytest
