@@ -167,9 +167,14 @@ def test_minimises_a_quadratic():
     tx = sonew(optax.cosine_decay_schedule(0.02, 300), band=2)
     state = tx.init(params)
     start = loss(params)
-    for _ in range(300):
+
+    @jax.jit
+    def step(params, state):
         updates, state = tx.update(jax.grad(loss)(params), state, params)
-        params = optax.apply_updates(params, updates)
+        return optax.apply_updates(params, updates), state
+
+    for _ in range(300):
+        params, state = step(params, state)
     assert loss(params) - best < 0.05 * (start - best)
 
 

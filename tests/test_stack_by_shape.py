@@ -168,10 +168,12 @@ def test_bfloat16_stacks_of_bfloat16_gradients_change_only_the_rounding_of_u(
     weights' gradients): the copy is exact, so the state equals float32 stacking's bit for bit;
     each update differs only by its direction's rounding to bfloat16 (the kernels write such a
     stack's ``u`` in it), and comes back in the gradients' dtype."""
-    params, grads = _problem()
-    params = {k: x.astype(jnp.float32) for k, x in params.items()}
-    grads = [{k: x.astype(jnp.bfloat16).astype(jnp.float32) for k, x in g.items()} for g in grads]
-    kwargs = dict(band=1, stacked_axes=STACKS, stack_by_shape=True, implementation=implementation)
+    # Two stacks (of 3 and 2 matrices) and a tensor alone, two steps.
+    names = ("a0", "a1", "a2", "b0", "b1", "x")
+    params, grads = _problem(steps=2)
+    params = {k: params[k].astype(jnp.float32) for k in names}
+    grads = [{k: g[k].astype(jnp.bfloat16).astype(jnp.float32) for k in names} for g in grads]
+    kwargs = dict(band=1, stack_by_shape=True, implementation=implementation)
     expect, expect_state = run(sonew(0.1, **kwargs), params, grads)
     directions, real = [], kernels.group_update
 
