@@ -99,12 +99,12 @@ class Grouping:
 
 def _stacked(tensors: list, split_first: bool, dtype: Any = None) -> jax.Array:
     """``tensors`` (of one shape) stacked on a new leading axis, in ``dtype`` (``None``: theirs;
-    XLA fuses the cast into the copy). Matrices and wider are
-    concatenated along their first axis and reshaped, which keeps the stack row-major on a TPU:
-    XLA's TPU compiler lays a ``jnp.stack`` out with the stack axis on the sublanes, where each
-    tensor's slice is strided and the stacked step moves more bytes than per tensor. Tensors
-    split along their first axis (``split_first``) are stacked as they are: concatenated along a
-    split axis, their rows would move between devices."""
+    XLA fuses the cast into the copy). Matrices and wider are concatenated along their first
+    axis and reshaped, which keeps the stack row-major on a TPU: XLA's TPU compiler lays a
+    ``jnp.stack`` out with the stack axis on the sublanes, where each tensor's slice is strided
+    and the stacked step moves more bytes than per tensor. Tensors split along their first axis
+    (``split_first``) are stacked as they are: concatenated along a split axis, their rows would
+    move between devices."""
     if dtype is not None:
         tensors = [x.astype(dtype) for x in tensors]
     if tensors[0].ndim < 2 or split_first:

@@ -63,9 +63,8 @@ def leaf_update(
     ``config`` (:class:`KernelConfig`). Band 0 runs ``diagonal.diagonal_kernel``, band 1
     ``scan.scan_kernel``, bands >= 2 ``banded.banded_kernel``. Returns ``(u, m, d, e, parts)``:
     the ungrafted direction (in :func:`direction_dtype`), the new state in the stored dtypes, and
-    per tile
-    the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as ``(4,
-    tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u``, then with a relative damping
+    per tile the norm pairs ``(max |x|, sum (x / max)^2)`` of Adam's direction and of ``u`` as
+    ``(4, tiles)``: rows ``scale_adam, sum_adam, scale_u, sum_u``, then with a relative damping
     (``hyper.damping``) those of ``sqrt(d_hat)`` (``(6, tiles)``); ``None`` without them (no
     grafting, absolute damping). Each row is contiguous, so XLA reduces along the minor axis; see
     ``chain.merge_pairs``.
