@@ -197,6 +197,14 @@ def test_bfloat16_stacks_of_bfloat16_gradients_change_only_the_rounding_of_u(
     if implementation == "pallas":  # the stacked tensors' kernels read and write bfloat16
         assert (jnp.bfloat16, jnp.bfloat16) in directions
         assert all(u == (g if g == jnp.bfloat16 else jnp.float32) for g, u in directions)
+    else:  # gradients that are not bfloat16 values are rounded in the stacks, and only there
+        raw = [{k: g[k] + 1e-3 * jnp.abs(g[k]) for k in names} for g in grads[:1]]
+        _, exact = run(sonew(0.1, **kwargs), params, raw)
+        _, rounded = run(sonew(0.1, stack_dtype="bfloat16", **kwargs), params, raw)
+        stacked, alone = rounded[0].inner.d[0], rounded[0].inner.d[-1]  # the a's; x
+        assert not np.array_equal(stacked, exact[0].inner.d[0])
+        np.testing.assert_allclose(stacked, exact[0].inner.d[0], rtol=2**-7)
+        np.testing.assert_array_equal(alone, exact[0].inner.d[-1])
 
 
 def test_stack_dtype_is_checked():
