@@ -32,11 +32,12 @@ def launch_key(g: jax.Array, m: jax.Array, d: jax.Array, e: Any, apply: Apply | 
 
 
 def direction_dtype(g_dtype: Any, compute: Any) -> jnp.dtype:
-    """The dtype the kernels write ``u`` in: the gradients' where they are a 16-bit float (the
-    step returns ``u`` in the gradients' dtype, so only its rounding moves, before the graft's
-    scale, and its write and the apply's read are halved), else the arithmetic's ``compute``."""
+    """The dtype the kernels write ``u`` in: the gradients' where it is narrower than float32 (a
+    storage format, as ``pointwise.compute_dtype`` treats it; the step returns ``u`` in the
+    gradients' dtype, so only its rounding moves, before the graft's scale, and its write and the
+    apply's read shrink), else the arithmetic's ``compute``."""
     g_dtype = jnp.dtype(g_dtype)
-    return g_dtype if jnp.finfo(g_dtype).bits < 32 else jnp.dtype(compute)
+    return g_dtype if pointwise.compute_dtype(g_dtype) != g_dtype else jnp.dtype(compute)
 
 
 def leaf_update(
