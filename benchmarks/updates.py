@@ -10,8 +10,8 @@ default damping is relative: it adds a norm pair to each step and a scalar per t
 state); ``sonew_tridiag_by_shape`` and ``sonew_tridiag_auto_by_shape``, the XLA and the default
 rows with ``stack_by_shape=True`` (the parameters of one shape stored and stepped as one stack);
 ``sonew_tridiag_auto_by_shape_e16``, the same with the off-diagonals ``e`` stored in bfloat16
-(4 B/param less traffic, 2 B/param less state): the trainer's gin file; ``_g16`` adds
-``stack_dtype=bfloat16`` (the stacks' copy of the gradients, and their ``u``, in bfloat16).
+(4 B/param less traffic, 2 B/param less state); ``_g16`` adds ``stack_dtype=bfloat16`` (the
+stacks' copy of the gradients, and their ``u``, in bfloat16): the trainer's gin file.
 """
 
 from collections.abc import Callable
