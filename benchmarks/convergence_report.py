@@ -13,7 +13,7 @@
   "learning_rate", "eps", "final_eval_loss", "steps_to_adamw_final", "steps_ratio_vs_adamw", ...,
   "ms_per_step", "seconds_ratio_vs_adamw", "lr_at_grid_edge", "eps_at_grid_edge", ...}``
   (``seconds_ratio_vs_adamw``: ``steps_ratio_vs_adamw`` times the step-time ratio, both times
-  from the card most of AdamW's runs ran on, `timing_card`).
+  from one card, `timing_card`).
 
 Beside the JSON, ``.md`` holds the tables and ``.png`` the held-out loss against steps (each
 optimizer's best run bold, its sweep faint) and against seconds of training steps. Older results
@@ -267,10 +267,19 @@ def _ratio_per_seed(runs, key, best, seeds) -> list[float | None]:
 
 
 def timing_card(runs: list[dict]) -> str | None:
-    """The card whose step times the wall-clock columns compare: the one most of AdamW's runs
-    ran on (a merged result's runs name theirs, `merge_results`); ``None`` where none is named."""
+    """The card whose step times the wall-clock columns compare (a merged result's runs name
+    theirs, `merge_results`): of the cards AdamW ran on, the one the most optimizers ran on, then
+    the one with the most of AdamW's runs (a step's time does not depend on the learning rate, so
+    one run per optimizer on a card times it); ``None`` where none is named."""
     cards = [r["device"] for r in runs if r["optimizer"] == BASELINE and r.get("device")]
-    return max(sorted(set(cards)), key=cards.count) if cards else None
+    if not cards:
+        return None
+
+    def coverage(card: str) -> tuple[int, int]:
+        ran = {r["optimizer"] for r in runs if r.get("device") == card and r.get("ms_per_step")}
+        return len(ran), cards.count(card)
+
+    return max(sorted(set(cards)), key=coverage)
 
 
 def step_ms(runs: list[dict], card: str | None = None) -> dict[str, float]:
@@ -478,7 +487,7 @@ def merge_results(results: list[dict]) -> dict:
     config.pop("seed", None)
     config["hyperparameters"][CANDIDATE]["eps"] = eps[CANDIDATE]
     return {
-        "device": " / ".join(sorted({r["device"] for r in results})),
+        "device": " / ".join(sorted({run["device"] for run in runs})),
         "date": max(r["date"] for r in results),
         "params": results[0]["params"],
         "config": config,

@@ -83,11 +83,14 @@ def test_seconds_ratio_is_the_steps_ratio_times_the_step_time_ratio():
     assert abs(convergence_report._seconds_ratio(row, times["adamw"]) - 0.8 * 1.2) < 1e-12
     assert convergence_report._seconds_ratio({**row, "steps_ratio_vs_adamw": None}, 11.0) is None
 
-    # Merged from several cards: only the card of most of AdamW's runs is timed.
+    # Merged from several cards, one card is timed: of AdamW's, the one most optimizers ran on,
+    # then the one with most of AdamW's runs.
     cards = ["H200", "H200", "H100", "H100", None]
     named = [{**run, "device": card} for run, card in zip(runs, cards, strict=True) if card]
     named[-1]["ms_per_step"] = 20.0
-    assert convergence_report.timing_card(named) == "H200"
+    assert convergence_report.timing_card(named[:3]) == "H200"
+    assert convergence_report.timing_card(named) == "H100"
+    assert convergence_report.step_ms(named, "H100") == {"adamw": 11.0, "sonew_tridiag": 20.0}
     assert convergence_report.step_ms(named, "H200") == {"adamw": 11.0}
 
 
