@@ -312,6 +312,7 @@ def test_processes_split_the_sweep_and_combine_to_the_same_runs(tmp_path):
     into what one process gives (CPU: the same numbers)."""
     argv = [*ARGV[: ARGV.index("--lrs_adamw")], "--lrs_adamw", "1e-3", "--lrs_adafactor", ""]
     argv += ["--lrs_sonew", "3e-3", "--sonew_eps", "1e-8", "--lrs_muon", ""]
+    argv += ["--steps", "4", "--eval_every", "2", "--warmup_steps", "1"]
     one = lm_convergence.main([*argv, "--out", str(tmp_path / "one.json")])
     out = tmp_path / "two.json"
     two = lm_convergence.main([*argv, "--processes", "2", "--out", str(out)])
