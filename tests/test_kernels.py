@@ -271,19 +271,26 @@ def _on_banded_kernel(shapes, band):
     return {s for s in shapes.values() if kernels.supported(ChainLayout.unsharded(s), band, SMALL)}
 
 
-# Band 4 on every layout covers the layouts' edges and carries, which no band changes; band 2
+# Band 4 covers the layouts' edges and carries, which no band changes: a matrix of several row
+# chunks, the 3-D layout (two chunks, the last of one row), the 4-D one (one chunk), a single
+# column, and "short" on the XLA path. "tall" (3-D, several chunks) takes the paths "deep" takes,
+# and "vec" is one column (a 1-D view), as "col" is; band 2 runs "vec" without grafting. Band 2
 # adds its own windows on a matrix, the 3-D layout and a block too short for band 4 (5 rows, which
 # band 2's step reads beyond by 3). Without grafting the kernels skip the norms whatever the band
 # and layout: a matrix and a vector cover it. Band 3 adds CI time and no path.
 @pytest.mark.parametrize(
     "band, graft, names",
-    [(2, "adam", ("mat", "deep", "short")), (2, "none", ("mat", "vec")), (4, "adam", None)],
+    [
+        (2, "adam", ("mat", "deep", "short")),
+        (2, "none", ("mat", "vec")),
+        (4, "adam", ("mat", "deep", "quad", "col", "short")),
+    ],
 )
 def test_banded_kernel_equals_xla(x64, band, graft, names, use_kernel, banded_spy):
     """Bands 2 to 4 through hostile steps: ``equal`` gradients make every window singular, so
     Algorithm 3 cuts every edge, and the steps after it solve windows near the tolerance."""
     config = use_kernel("band", None, None)
-    shapes = {k: s for k, s in BANDED_SHAPES.items() if names is None or k in names}
+    shapes = {k: s for k, s in BANDED_SHAPES.items() if k in names}
     expect, got = _xla_and_kernels(shapes, band, graft, config)
     # The near-singular windows after the cuts amplify the two paths' roundings (the kernel
     # multiplies by 1 / (1 - b2^t) where XLA divides) to about 1e-10.
