@@ -389,7 +389,8 @@ def test_tensors_of_one_configuration_share_launches(x64, band, graft_lag, monke
         return group_update(gs, *args, applies=applies, **kwargs)
 
     monkeypatch.setattr(kernels, "group_update", spy)
-    shapes = {"a": (70, 130), "c": (70, 130), "b": (70, 130), "d": (33, 2, 3), "w": (70, 130)}
+    # Four matrices of one shape in ragged blocks of the scan's tile (two by two), a 3-D tensor.
+    shapes = {"a": (24, 70), "c": (24, 70), "b": (24, 70), "d": (33, 2, 3), "w": (24, 70)}
     rng = np.random.default_rng(0)
     params = {k: jnp.asarray(rng.normal(size=s)) for k, s in shapes.items()}
     params["w"] = params["w"].astype(jnp.float32)
