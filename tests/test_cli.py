@@ -196,24 +196,40 @@ print(json.dumps(results))
 """
 
 
+# User errors: one line naming the error, no traceback (the flag, what the line says).
+USER_ERRORS = {
+    "relative-model-dir": (
+        '--gin.MODEL_DIR="relative/run"',
+        "error: MODEL_DIR must be an absolute path",
+    ),
+    "empty-text-dir": (
+        "--gin.DataConfig.source='text_dir:/nonexistent'",
+        "error: text_dir source: no *.txt",
+    ),
+    "seq-len-vs-max-len": ("--gin.SEQ_LEN=4096", "error: SEQ_LEN (train.seq_len) = 4096 exceeds"),
+}
+
+
 @pytest.fixture(scope="module")
 def bad_runs(tmp_path_factory, env):
-    """Exit status, stderr and model directory of :data:`BAD_CONFIGURATIONS`' runs, each started
+    """Exit status, stderr and model directory of the runs of :data:`BAD_CONFIGURATIONS`,
+    :data:`USER_ERRORS` and of ``"unset-macro"`` (``--gin_file=tiny.gin`` alone), each started
     as the command line starts it, in a process forked from one that imported the trainer."""
     root = tmp_path_factory.mktemp("bad")
-    argvs = [
-        command(root / name / "run", STEPS, *flag.split())[2:]
-        for name, (flag, _) in BAD_CONFIGURATIONS.items()
-    ]
+    argvs = {
+        name: command(root / name / "run", STEPS, *flag.split())[2:]
+        for name, (flag, _) in (BAD_CONFIGURATIONS | USER_ERRORS).items()
+    }
+    argvs["unset-macro"] = ["sonew_pax.train", "--gin_file=tiny.gin"]
     done = subprocess.run(
-        [sys.executable, "-c", FORKED_RUNS, json.dumps(argvs)],
+        [sys.executable, "-c", FORKED_RUNS, json.dumps(list(argvs.values()))],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout.splitlines()[-1])
     return {
         name: (status, stderr, root / name / "run")
-        for name, (status, stderr) in zip(BAD_CONFIGURATIONS, results, strict=True)
+        for name, (status, stderr) in zip(argvs, results, strict=True)
     }
 
 
@@ -225,20 +241,11 @@ def test_bad_configuration_fails_at_start(bad_runs, name):
     assert not model_dir.exists()  # nothing written
 
 
-@pytest.mark.parametrize(
-    "flag, message",
-    [
-        ('--gin.MODEL_DIR="relative/run"', "error: MODEL_DIR must be an absolute path"),
-        ("--gin.DataConfig.source='text_dir:/nonexistent'", "error: text_dir source: no *.txt"),
-        ("--gin.SEQ_LEN=4096", "error: SEQ_LEN (train.seq_len) = 4096 exceeds"),
-    ],
-    ids=["relative-model-dir", "empty-text-dir", "seq-len-vs-max-len"],
-)
-def test_user_error_is_one_line_without_traceback(tmp_path, env, flag, message):
-    model_dir = tmp_path / "run"
-    done = run(model_dir, STEPS, env, flag)
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert message in done.stderr and "Traceback" not in done.stderr
+@pytest.mark.parametrize("name", list(USER_ERRORS))
+def test_user_error_is_one_line_without_traceback(bad_runs, name):
+    returncode, stderr, model_dir = bad_runs[name]
+    assert returncode == 1, stderr[-3000:]
+    assert USER_ERRORS[name][1] in stderr and "Traceback" not in stderr
     assert not model_dir.exists()
 
 
@@ -265,13 +272,10 @@ def test_diverged_run_exits_with_an_error_and_keeps_only_finite_checkpoints(tmp_
     assert records[-1]["step"] == failed and None in records[-1].values()
 
 
-def test_unset_required_macro_names_it(tmp_path, env):
-    done = subprocess.run(
-        [sys.executable, "-m", "sonew_pax.train", "--gin_file=tiny.gin"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode != 0
-    assert "MODEL_DIR" in done.stderr
+def test_unset_required_macro_names_it(bad_runs):
+    returncode, stderr, _ = bad_runs["unset-macro"]
+    assert returncode != 0
+    assert "MODEL_DIR" in stderr
 
 
 def test_ctrl_c_saves_like_sigterm(tmp_path, env):
