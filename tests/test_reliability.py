@@ -280,7 +280,7 @@ def test_macro_defined_and_used_by_bindings_is_accepted(tmp_path):
         ((), ("tiny.gin", "optimizers/adamw.gin"), ("opt_state/", "make_optimizer.factory")),
         (("TransformerConfig.mlp_dim = 128",), ("tiny.gin",), ("params/", "mlp_dim = 64")),
         (
-            ("sonew.stack_by_shape = False",),
+            ("sonew.stack_by_shape = False", "sonew.stack_dtype = None"),
             ("tiny.gin",),
             ("opt_state/", "sonew.stack_by_shape = True"),
         ),
