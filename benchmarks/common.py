@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import functools
 import json
+import math
 import os
 import re
 import statistics
@@ -544,6 +545,24 @@ def hlo_fused(computations: dict[str, list[str]], line: str) -> list[tuple]:
 
 # Instructions that launch nothing and move no data of their own.
 HLO_NO_TRAFFIC = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
+# Fused instructions after which a launch may read more than one element of an operand per
+# element it writes (reductions, matrix products, scatters, sorts, calls), so its reads are not
+# bounded by its results' size.
+_HLO_MANY_TO_ONE = ("reduce", "dot", "convolution", "scatter", "sort", "custom-call", "fft")
+_HLO_MANY_TO_ONE += ("select-and-scatter", "while", "conditional", "call")
+
+
+def hlo_max_elements(text: str) -> int:
+    """The most elements of any array in an HLO shape's ``text``."""
+    return max(
+        (math.prod(int(d) for d in dims.split(",") if d) for _, dims, _ in HLO_ARRAY.findall(text)),
+        default=1,
+    )
+
+
+def hlo_item_bytes(text: str) -> int:
+    """The widest element, in bytes, of the arrays in an HLO shape's ``text`` (0: none)."""
+    return max((HLO_ITEM_BYTES[dtype] for dtype, _, _ in HLO_ARRAY.findall(text)), default=0)
 
 
 def hlo_sliced_reads(fused: list[tuple], through_bitcasts: bool = True) -> dict[int, int]:
@@ -577,24 +596,40 @@ def hlo_sliced_reads(fused: list[tuple], through_bitcasts: bool = True) -> dict[
 
 def hlo_launch_bytes(
     computations: dict[str, list[str]],
-    sizes: dict[str, int],
+    shapes: dict[str, str],
     instruction: tuple[str, str, str, list[str], str],
     in_place: bool = False,
 ) -> int:
     """The bytes one launch moves (:func:`hlo_traffic`'s rule): its outputs and its operands
-    (``sizes`` by name), a fusion's operand read only through slices at the slices' size; with
-    ``in_place``, a fusion rooted in a dynamic-update-slice (which XLA runs in the buffer it
-    updates) at the update it writes, the updated operand unread."""
-    name, _, opcode, operands, line = instruction
-    reads, written = {}, sizes[name]
+    (their HLO shapes in ``shapes``, by name), a fusion's operand read only through slices at
+    the slices' size, and a fusion that computes each result element from one element of each
+    operand (no reduction, matrix product, scatter or call inside: XLA's loop fusions, whose
+    threads compute only their results' elements) reading at most one operand element per
+    result element; with ``in_place``, a fusion rooted in a dynamic-update-slice (which XLA runs
+    in the buffer it updates) at the update it writes, the updated operand unread."""
+    _, shape, opcode, operands, line = instruction
+    sizes = [_hlo_bytes(shapes.get(operand, "")) for operand in operands]
+    written = _hlo_bytes(shape)
     if opcode == "fusion":
         body = hlo_fused(computations, line)
-        reads = hlo_sliced_reads(body)
+        sliced = hlo_sliced_reads(body)
+        sizes = [sliced.get(k, size) for k, size in enumerate(sizes)]
         update = hlo_in_place_update(body) if in_place else None
         if update is not None:
             base, written = update
-            reads = reads | ({} if base is None else {base: 0})
-    return written + sum(reads.get(k, sizes.get(operand, 0)) for k, operand in enumerate(operands))
+            sizes = [0 if k == base else size for k, size in enumerate(sizes)]
+        elif not any(i[2].startswith(_HLO_MANY_TO_ONE) for i in body):
+            elements = hlo_max_elements(shape)
+            sizes = [
+                min(size, hlo_item_bytes(shapes.get(operand, "")) * elements)
+                for operand, size in zip(operands, sizes, strict=True)
+            ]
+    return written + sum(sizes)
+
+
+def _hlo_bytes(text: str) -> int:
+    """The bytes of the arrays of an HLO shape's ``text``, any memory space."""
+    return sum(b for b, _ in hlo_arrays(text))
 
 
 def hlo_in_place_update(body: list[tuple]) -> tuple[int | None, int] | None:
@@ -629,20 +664,21 @@ def hlo_in_place_outputs(body: list[tuple]) -> list[tuple[int | None, int] | Non
 def hlo_traffic(hlo_text: str) -> int:
     """An estimate of the bytes a compiled program's launches move through device memory: per
     fusion, custom call (such as a Pallas kernel) or other data-moving instruction of the entry
-    computation, its outputs and its operands, except that a fusion's operand read only through
-    slices counts the slices (a few rows of an edge, not the whole array). A custom call counts
-    all its operands, which bounds what a kernel reads from above. Caches, and operands read at
-    several offsets, are not modelled: a count of the design's passes, for comparing designs
-    without a device. (``tpu_compile.hbm_bytes`` is a TPU's: it keeps VMEM out and caps a
-    fusion's reads by its results' size.)"""
+    computation, its outputs and its operands, except that a fusion reads an operand used only
+    through slices at the slices' size (a few rows of an edge, not the whole array) and, where
+    it computes each result element from one element of each operand, at most its results'
+    size (:func:`hlo_launch_bytes`). A custom call counts all its operands, which bounds what a
+    kernel reads from above. Caches, and operands read at several offsets, are not modelled: a
+    count of the design's passes, for comparing designs without a device.
+    (``tpu_compile.hbm_bytes`` is a TPU's: it keeps VMEM out.)"""
     computations = hlo_computations(hlo_text)
-    sizes: dict[str, int] = {}
+    shapes: dict[str, str] = {}
     total = 0
     for instruction in hlo_instructions(computations[hlo_entry(hlo_text)]):
         name, shape, opcode = instruction[:3]
-        sizes[name] = sum(b for b, _ in hlo_arrays(shape))
+        shapes[name] = shape
         if opcode not in HLO_NO_TRAFFIC:
-            total += hlo_launch_bytes(computations, sizes, instruction)
+            total += hlo_launch_bytes(computations, shapes, instruction)
     return total
 
 

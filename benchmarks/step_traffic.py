@@ -83,10 +83,10 @@ def launches(text: str) -> list[dict]:
     found = []
 
     def walk(name: str, times: int) -> None:
-        sizes = {}
+        shapes = {}
         for instruction in common.hlo_instructions(computations[name]):
             inst, shape, opcode, _, line = instruction
-            sizes[inst] = sum(b for b, _ in common.hlo_arrays(shape))
+            shapes[inst] = shape
             if opcode == "while":
                 trips = _TRIP_COUNT.search(line)
                 body = re.search(r"body=%([\w.\-]+)", line).group(1)
@@ -94,7 +94,7 @@ def launches(text: str) -> list[dict]:
                 continue
             if opcode in common.HLO_NO_TRAFFIC:
                 continue
-            moved = common.hlo_launch_bytes(computations, sizes, instruction, in_place=True)
+            moved = common.hlo_launch_bytes(computations, shapes, instruction, in_place=True)
             found.append(
                 {
                     "op": _op_of(line, opcode),

@@ -90,17 +90,6 @@ GIB = 2**30
 _FREE = common.HLO_NO_TRAFFIC | {"after-all", "slice-done", "partition-id", "replica-id"}
 
 
-def _elements(text: str) -> int:
-    """The most elements of any array in an HLO shape's ``text``."""
-    return max(
-        (
-            math.prod(int(d) for d in dims.split(",") if d)
-            for _, dims, _ in common.HLO_ARRAY.findall(text)
-        ),
-        default=1,
-    )
-
-
 def _reduces(instructions: list) -> bool:
     """Whether a fused computation (its :func:`common.hlo_instructions`) reduces (then it reads its
     operands whole, whatever its results' size)."""
@@ -198,15 +187,11 @@ def _fusion_bytes(computations, line: str, shape: str, operands, texts, reads):
     reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
     if any(in_place) or _reduces(body):
         return written, reads
-    elements = _elements(shape)
-    capped = []
-    for operand, read in zip(operands, reads, strict=True):
-        text = texts.get(operand, "")
-        item = max(
-            (common.HLO_ITEM_BYTES[dtype] for dtype, _, _ in common.HLO_ARRAY.findall(text)),
-            default=0,
-        )
-        capped.append(min(read, item * elements))
+    elements = common.hlo_max_elements(shape)
+    capped = [
+        min(read, common.hlo_item_bytes(texts.get(operand, "")) * elements)
+        for operand, read in zip(operands, reads, strict=True)
+    ]
     return written, capped
 
 

@@ -438,6 +438,44 @@ ENTRY %main (a: f32[8,4], b: bf16[8,4]) -> (f32[1,4], bf16[8,4]) {
     assert common.hlo_traffic(text) == (4 + 4 + 4) * 4 + 64 + 16 + 64
 
 
+def test_hlo_traffic_reads_an_elementwise_fusion_at_its_results_size():
+    """A fusion that slices a product of its operand reads one element per result element (XLA's
+    loop fusion computes only the slice), where a reduction of the same operand reads it whole;
+    a scalar operand counts once."""
+    text = """HloModule m
+
+%scaled_row (param_0.1: f32[8,4], param_1.1: f32[]) -> f32[1,4] {
+  %param_0.1 = f32[8,4]{1,0} parameter(0)
+  %param_1.1 = f32[] parameter(1)
+  %broadcast.1 = f32[8,4]{1,0} broadcast(%param_1.1), dimensions={}
+  %multiply.1 = f32[8,4]{1,0} multiply(%param_0.1, %broadcast.1)
+  ROOT %slice.1 = f32[1,4]{1,0} slice(%multiply.1), slice={[7:8], [0:4]}
+}
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %sum = f32[] add(%x, %y)
+}
+
+%column_sums (param_0.2: f32[8,4]) -> f32[4] {
+  %param_0.2 = f32[8,4]{1,0} parameter(0)
+  %zero = f32[] constant(0)
+  ROOT %reduce.1 = f32[4]{0} reduce(%param_0.2, %zero), dimensions={0}, to_apply=%add
+}
+
+ENTRY %main (a: f32[8,4], s: f32[]) -> (f32[1,4], f32[4]) {
+  %a = f32[8,4]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %row = f32[1,4]{1,0} fusion(%a, %s), kind=kLoop, calls=%scaled_row
+  %sums = f32[4]{0} fusion(%a), kind=kInput, calls=%column_sums
+  ROOT %tuple = (f32[1,4]{1,0}, f32[4]{0}) tuple(%row, %sums)
+}
+"""
+    # The row: 4 elements of a, the scalar, 4 written; the sums: all 32 of a, 4 written.
+    assert common.hlo_traffic(text) == (4 + 1 + 4) * 4 + (32 + 4) * 4
+
+
 def test_compile_profile_sums_the_phases_events():
     trace = {
         "traceEvents": [
