@@ -565,6 +565,23 @@ def hlo_item_bytes(text: str) -> int:
     return max((HLO_ITEM_BYTES[dtype] for dtype, _, _ in HLO_ARRAY.findall(text)), default=0)
 
 
+def hlo_capped_reads(
+    body: list[tuple], shape: str, operands: list[str], shapes: dict[str, str], reads: list[int]
+) -> list[int]:
+    """A fusion's ``reads`` (bytes, per operand) capped at one operand element per result element
+    where its fused computation ``body`` computes each result element from one element of each
+    operand (XLA's loop fusions compute only their results' elements: a fused slice of a
+    product reads what it keeps); unchanged where a reduction, matrix product, scatter or call
+    is fused. ``shape``: the fusion's result shape; ``shapes``: its operands' by name."""
+    if any(instruction[2].startswith(_HLO_MANY_TO_ONE) for instruction in body):
+        return reads
+    elements = hlo_max_elements(shape)
+    return [
+        min(read, hlo_item_bytes(shapes.get(operand, "")) * elements)
+        for operand, read in zip(operands, reads, strict=True)
+    ]
+
+
 def hlo_sliced_reads(fused: list[tuple], through_bitcasts: bool = True) -> dict[int, int]:
     """For a fused computation (its :func:`hlo_instructions`): the bytes it reads of each
     parameter that only slices use (the slices' sizes), directly or, ``through_bitcasts``, also
@@ -618,12 +635,8 @@ def hlo_launch_bytes(
         if update is not None:
             base, written = update
             sizes = [0 if k == base else size for k, size in enumerate(sizes)]
-        elif not any(i[2].startswith(_HLO_MANY_TO_ONE) for i in body):
-            elements = hlo_max_elements(shape)
-            sizes = [
-                min(size, hlo_item_bytes(shapes.get(operand, "")) * elements)
-                for operand, size in zip(operands, sizes, strict=True)
-            ]
+        else:
+            sizes = hlo_capped_reads(body, shape, operands, shapes, sizes)
     return written + sum(sizes)
 
 

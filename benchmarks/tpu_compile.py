@@ -90,12 +90,6 @@ GIB = 2**30
 _FREE = common.HLO_NO_TRAFFIC | {"after-all", "slice-done", "partition-id", "replica-id"}
 
 
-def _reduces(instructions: list) -> bool:
-    """Whether a fused computation (its :func:`common.hlo_instructions`) reduces (then it reads its
-    operands whole, whatever its results' size)."""
-    return any(opcode.startswith("reduce") for _, _, opcode, _, _ in instructions)
-
-
 def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
     """The bytes a compiled TPU module moves through HBM, in all and by opcode: each instruction's
     operands and results in memory space 0, an operand that its fusion only slices counted at the
@@ -170,9 +164,8 @@ def _fusion_bytes(computations, line: str, shape: str, operands, texts, reads):
     """A fusion's HBM bytes written, and read per operand (``reads``: each operand's whole size in
     HBM): an output that is a ``dynamic-update-slice`` writes the update (in its operand's
     buffer, not read); it reads at most the slices it takes (:func:`common.hlo_sliced_reads`, not
-    through bitcasts) and, where it neither reduces nor updates in place, at most one element per
-    result element (it computes only its results' elements: a fused slice reads only what it
-    keeps)."""
+    through bitcasts) and, where it does not update in place, at most what
+    :func:`common.hlo_capped_reads` allows."""
     body = common.hlo_fused(computations, line)
     results = common.hlo_arrays(shape)
     in_place = common.hlo_in_place_outputs(body)
@@ -185,14 +178,9 @@ def _fusion_bytes(computations, line: str, shape: str, operands, texts, reads):
         written += size if space == 0 else 0
     sliced = common.hlo_sliced_reads(body, through_bitcasts=False)
     reads = [min(r, sliced.get(k, r)) for k, r in enumerate(reads)]
-    if any(in_place) or _reduces(body):
+    if any(in_place):
         return written, reads
-    elements = common.hlo_max_elements(shape)
-    capped = [
-        min(read, common.hlo_item_bytes(texts.get(operand, "")) * elements)
-        for operand, read in zip(operands, reads, strict=True)
-    ]
-    return written, capped
+    return written, common.hlo_capped_reads(body, shape, operands, texts, reads)
 
 
 def topology_devices(name: str) -> list:
