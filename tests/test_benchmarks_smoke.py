@@ -767,6 +767,29 @@ def test_tpu_compile_counts_a_loop_per_trip_and_its_in_place_updates():
         tpu_compile.hbm_bytes(unknown)
 
 
+def test_byte_counts_read_a_fused_matrix_products_operands_whole():
+    """A fusion holding a matrix product reads each element of its operands more than once per
+    result element: both counters take its operands whole (a cap at the result's 8 x 4 elements
+    would hide most of the (8, 32) and (32, 4) operands)."""
+    text = """HloModule m
+
+%product (param_0.1: f32[8,32], param_1.1: f32[32,4]) -> f32[8,4] {
+  %param_0.1 = f32[8,32]{1,0} parameter(0)
+  %param_1.1 = f32[32,4]{1,0} parameter(1)
+  ROOT %dot.1 = f32[8,4]{1,0} dot(%param_0.1, %param_1.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+ENTRY %main (a: f32[8,32], b: f32[32,4]) -> f32[8,4] {
+  %a = f32[8,32]{1,0} parameter(0)
+  %b = f32[32,4]{1,0} parameter(1)
+  ROOT %out = f32[8,4]{1,0} fusion(%a, %b), kind=kOutput, calls=%product
+}
+"""  # noqa: E501
+    moved = (8 * 32 + 32 * 4 + 8 * 4) * 4
+    assert common.hlo_traffic(text) == moved
+    assert tpu_compile.hbm_bytes(text)[0] == moved
+
+
 def test_update_speed_with_stacked_layers(tmp_path, monkeypatch):
     """``--stack_layers``: the set's layers stacked, and SONew told so (its stacked axes)."""
     given = []
