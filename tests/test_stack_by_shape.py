@@ -112,6 +112,19 @@ def test_one_step_per_shape_whatever_the_depth():
     assert per_tensor(True) <= 8 < 100 < per_tensor(False)
 
 
+def test_only_steps_that_shift_rows_loop_over_a_stack():
+    """On XLA a stack's tensors step in turn (a ``lax.scan``) only where the step shifts rows
+    (band >= 1 on a chain); elementwise steps (band 0, 1-D tensors taking Adam's direction) are
+    vectorized over the stack, not one trip (and its launches) per tensor."""
+    params = {f"n{i}": jnp.ones((16,)) for i in range(6)}
+    params |= {f"w{i}": jnp.ones((8, 12)) for i in range(3)}
+    for band, loops in ((0, 0), (1, 1)):  # band 1: the matrices' stack loops, the vectors' not
+        tx = sonew(0.1, band=band, stack_by_shape=True, implementation="xla")
+        program = str(jax.make_jaxpr(tx.update)(params, tx.init(params), params))
+        assert len(re.findall(r"\bscan\[", program)) == loops, band
+        assert "while[" not in program
+
+
 def test_apply_adds_the_update_as_apply_updates_does(x64):
     """``apply`` (``apply_gradients``) with weight decay on a mask equals ``update`` followed by
     ``optax.apply_updates``."""

@@ -358,11 +358,13 @@ def _stacked_step(
 
     On XLA (``kernels`` None) the step is :func:`_leaf_step`'s on each tensor in turn
     (:func:`_each_stacked`; as a TPU kernel given its config ``tpu``), ``hyper.eps`` holding one
-    per stacked tensor with a relative damping. With ``kernels`` (``dispatch.stack_on_kernel``)
-    it is one tensor's halo copies and step kernel (``kernels.gather_halos``,
-    ``kernels.group_update``), which ``jax.vmap`` turns into launches with a grid axis over the
-    stacked tensors: one compiled program per stack; ``stats`` are then a relative damping's
-    statistics of the stacked tensors (the kernel scales ``eps`` from them), else ``None``."""
+    per stacked tensor with a relative damping; a step that shifts nothing (band 0, or no chain:
+    Adam's direction) is vectorized over the stack instead. With ``kernels``
+    (``dispatch.stack_on_kernel``) it is one tensor's halo copies and step kernel
+    (``kernels.gather_halos``, ``kernels.group_update``), which ``jax.vmap`` turns into launches
+    with a grid axis over the stacked tensors: one compiled program per stack; ``stats`` are then
+    a relative damping's statistics of the stacked tensors (the kernel scales ``eps`` from
+    them), else ``None``."""
     n, k, layer = layout.layers, layout.stack, layout.layer
     band = band_of(e)
     interpret = interpreted(kernels)
@@ -398,7 +400,10 @@ def _stacked_step(
     rows = stack_edge_rows(edge, band, g.shape[k:], n)
     e_in = e if band == 0 else stack_flat(e, k, lead=1)
     arrays = (*(stack_flat(x, k) for x in (g, m, d)), e_in, rows, per_tensor)
-    if kernels is None:
+    # A step that shifts nothing (band 0, or Adam's direction where there is no chain) is
+    # elementwise: vectorized, the stack is one step's few fusions, where the loop launches its
+    # fusions once per tensor (a model's norm scales: dozens of trips over 1-D tensors).
+    if kernels is None and band and has_chain(layout, hyper):
         u, m_new, d_new, e_new, pairs = _each_stacked(one, arrays, band, n)
     else:
         u, m_new, d_new, e_new, pairs = jax.vmap(
