@@ -1,6 +1,7 @@
 """``stack_by_shape``: the parameters of one shape stored and stepped as one stack give the update
 of the parameters stepped apart, whole and sharded, in one step per shape."""
 
+import dataclasses
 import re
 
 import jax
@@ -94,6 +95,44 @@ def test_sharded_stacked_by_shape_equals_unsharded_stepped_apart(x64, band):
     assert state_specs.inner.e[0] == P(None, None, "data", "model")  # (band, stack, ...)
     assert state_specs.inner.m[3] == P(None, None, "data")  # the s stack (leaves sorted by name)
     assert stacked.inner.m[0].sharding.spec == P(None, "data", "model")
+
+
+def test_kernel_stack_is_the_stack_cast():
+    """``kernels.stack`` copies the members (several launches, blocks that do not divide a member)
+    into ``jnp.stack``'s array in the stack's dtype; ``stackable`` refuses stacks past int32."""
+    config = dataclasses.replace(kernels.DEFAULT, stack_tile=(16, 1), stack_group=2)
+    rng = np.random.default_rng(0)
+    members = [jnp.asarray(rng.normal(size=(5, 7)), jnp.float32) for _ in range(5)]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = kernels.stack(members, dtype, config, interpret=True)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got, jnp.stack(members).astype(dtype))
+    assert kernels.stackable((5, 7), 5, config)
+    assert not kernels.stackable((5, 7), 5, dataclasses.replace(config, max_offset=174))
+    assert not kernels.stackable((0, 7), 5, config)
+
+
+@pytest.mark.parametrize("mesh_shape", [None, (2, 4)])
+def test_stacks_for_the_kernels_are_copied_by_a_kernel(x64, mesh_shape):
+    """Where SONew's GPU kernels run, the gradients are copied into their stacks by
+    ``kernels.stack`` (on a mesh under ``shard_map``, each device its blocks), and the update
+    equals the tensors stepped apart (on XLA, unsharded)."""
+    names = ("a0", "a1", "a2", "b0", "b1", "x")
+    params, grads = _problem(seed=5, steps=2)
+    params, grads = {k: params[k] for k in names}, [{k: g[k] for k in names} for g in grads]
+    kwargs = dict(band=1, eps=1e-2, stats_dtype=jnp.float64)
+    expect, _ = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
+    mesh = specs = None
+    if mesh_shape is not None:
+        mesh = make_mesh(mesh_shape)
+        specs = {k: P(None, "model") for k in names} | {"b0": P("model"), "b1": P("model")}
+        kwargs |= dict(mesh=mesh, param_specs=specs)
+    tx = sonew(0.1, stack_by_shape=True, implementation="pallas", **kwargs)
+    got, state = run(tx, params, grads, mesh, specs)
+    for e_step, g_step in zip(expect, got, strict=True):
+        assert_close(e_step, g_step, 1e-10)
+    program = str(jax.make_jaxpr(tx.update)(grads[0], state, params))
+    assert program.count("name=sonew_stack") == 2  # the a's and the b's
 
 
 def test_one_step_per_shape_whatever_the_depth():

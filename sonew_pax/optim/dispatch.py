@@ -26,7 +26,9 @@ def preconditioned(ndim: int, precondition_1d: bool) -> bool:
     return ndim >= 2 or precondition_1d
 
 
-def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> KernelConfig | None:
+def kernels_enabled(
+    implementation: str, mesh: Any, config: KernelConfig | None
+) -> KernelConfig | None:
     """``config`` where the Pallas kernels (``kernels``) may run, else ``None`` (XLA only).
 
     ``"pallas"``: on any backend: the GPU kernels, or on a TPU its kernels
@@ -41,11 +43,12 @@ def kernels_enabled(implementation: str, mesh: Any, config: KernelConfig) -> Ker
     Args:
       implementation: ``"auto"``, ``"xla"`` or ``"pallas"`` (``SONewConfig.implementation``).
       mesh: the mesh the step runs on under ``shard_map``, or ``None``.
-      config: the kernels' configuration.
+      config: the kernels' configuration (``None``: ``kernels.DEFAULT``).
 
     Returns:
       ``config`` where the kernels may run, else ``None``.
     """
+    config = pallas.DEFAULT if config is None else config
     if implementation != "auto":
         enabled = implementation == "pallas"
     else:
@@ -64,11 +67,11 @@ def interpreted(kernels: KernelConfig | None = None) -> bool:
     their platform's backend (tests on CPU)."""
     if kernels is not None and kernels.interpret is not None:
         return kernels.interpret
-    platform = "gpu" if kernels is None else _platform(kernels)
+    platform = "gpu" if kernels is None else kernel_platform(kernels)
     return jax.default_backend() != platform
 
 
-def _platform(kernels: KernelConfig) -> str:
+def kernel_platform(kernels: KernelConfig) -> str:
     """The platform whose kernels run (``KernelConfig.platform``)."""
     if kernels.platform is not None:
         return kernels.platform
@@ -103,7 +106,7 @@ def _kernel_candidate(
     stack, with a chain laid out along an axis 0."""
     return (
         kernels is not None
-        and _platform(kernels) == platform
+        and kernel_platform(kernels) == platform
         and not layout.stack
         and has_chain(layout, hyper)
         and _has_axis(layout)

@@ -545,9 +545,8 @@ def make_step(config: SONewConfig, mesh: Any, param_specs: Any, unpacked: bool =
       Devvrit et al., "A Computationally Efficient Sparsified Online Newton Method", NeurIPS
       2023: Algorithm 1, Theorems 1 and 2, Algorithm 3.
     """
-    kernel_config = pallas.DEFAULT if config.kernel_config is None else config.kernel_config
     stacked_axes = config.stacked_axes
-    kernels = kernels_enabled(config.implementation, mesh, kernel_config)
+    kernels = kernels_enabled(config.implementation, mesh, config.kernel_config)
 
     def tree_step(updates, m, d, e, ratio, diag, corrections, layouts, apply=None):
         treedef = jax.tree.structure(updates)

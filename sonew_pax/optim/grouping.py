@@ -14,6 +14,7 @@ and slices the updates back (fused into their consumers).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -45,9 +46,16 @@ class Grouping:
     shapes: tuple[tuple[int, ...], ...]
     split_first: tuple[bool, ...]
 
-    def pack(self, tree: Any, dtype: Any = None) -> list:
+    def pack(
+        self,
+        tree: Any,
+        dtype: Any = None,
+        stack: Callable[[int, list], jax.Array | None] | None = None,
+    ) -> list:
         """``tree`` (the parameters' structure) as the list of stored entries, the stacked ones
-        in ``dtype`` where given (``None``: their members'), cast as they are copied.
+        in ``dtype`` where given (``None``: their members'), cast as they are copied: by
+        ``stack(k, members)`` for entry ``k`` where given and it returns a stack, else by XLA
+        (:func:`_stacked`).
 
         Raises:
           ValueError: ``tree``'s structure or a leaf's shape is not the parameters' at ``init``
@@ -70,11 +78,16 @@ class Grouping:
                 raise ValueError(
                     f"stack_by_shape: the parameters had shape {shape} at init; got {found}"
                 )
+
+        def entry(k: int, members: list, split: bool) -> jax.Array:
+            if len(members) == 1:
+                return members[0]
+            copied = None if stack is None else stack(k, members)
+            return _stacked(members, split, dtype) if copied is None else copied
+
         return [
-            _stacked([leaves[i] for i in group], split, dtype)
-            if len(group) > 1
-            else leaves[group[0]]
-            for group, split in zip(self.groups, self.split_first, strict=True)
+            entry(k, [leaves[i] for i in group], split)
+            for k, (group, split) in enumerate(zip(self.groups, self.split_first, strict=True))
         ]
 
     def unpack(self, entries: list) -> Any:

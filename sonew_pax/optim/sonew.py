@@ -37,14 +37,17 @@ References:
 """
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
+from sonew_pax.optim import dispatch, pointwise, sharding
 from sonew_pax.optim import grouping as grouping_lib
-from sonew_pax.optim import pointwise, sharding
+from sonew_pax.optim import kernels as pallas
 from sonew_pax.optim.chain import ChainLayout
 from sonew_pax.optim.config import (
     Damping,
@@ -413,7 +416,9 @@ def _stacked_by_shape(
         updates = _as_arrays(updates)
         _check_real_floats(updates, "gradients")
         grouping = state.grouping
-        stacked = grouping.pack(updates, config.stack_dtype)
+        stacked = grouping.pack(
+            updates, config.stack_dtype, _kernel_stack(config, mesh, param_specs, grouping)
+        )
         packed, inner = over(grouping).update(stacked, state.inner)
         # In the gradients' dtypes, as optax's updates are (a cast that XLA fuses into the apply).
         direction = jax.tree.map(lambda u, g: u.astype(g.dtype), grouping.unpack(packed), updates)
@@ -432,6 +437,45 @@ def _stacked_by_shape(
         return jax.tree.map(add, params, direction, _decay_flags(mask, params)), state
 
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
+
+
+def _kernel_stack(
+    config: SONewConfig,
+    mesh: jax.sharding.Mesh | None,
+    param_specs: Any,
+    grouping: grouping_lib.Grouping,
+) -> Callable[[int, list], jax.Array | None] | None:
+    """``Grouping.pack``'s copy of the gradients into their stacks where SONew's GPU kernels run
+    (``kernels.stack``: XLA's ``concatenate`` of many operands runs at a third of a copy's
+    bandwidth), under ``shard_map`` on each device's blocks where a ``mesh`` is given; ``None``
+    elsewhere (XLA's copy)."""
+    kernels = dispatch.kernels_enabled(config.implementation, mesh, config.kernel_config)
+    if kernels is None or dispatch.kernel_platform(kernels) != "gpu":
+        return None
+    interpret = dispatch.interpreted(kernels)
+    specs = grouping.specs(param_specs)
+
+    def stack(k: int, members: list) -> jax.Array | None:
+        if not pallas.stackable(grouping.shapes[k], len(members), kernels):
+            return None
+        # Cast before the copy: XLA fuses the cast into each member's producer (a bf16 model's
+        # float32 gradient is its matmul's bf16 output converted), so the copy reads the
+        # narrower dtype; a member already in memory in float32 pays one more pass.
+        dtype = config.stack_dtype or members[0].dtype
+        members = [x.astype(dtype) for x in members]
+
+        def copy(*blocks):
+            return pallas.stack(blocks, dtype, kernels, interpret)
+
+        if mesh is None:
+            return copy(*members)
+        spec = specs[k]
+        in_specs = (P(*spec[1:]),) * len(members)
+        return jax.shard_map(copy, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(
+            *members
+        )
+
+    return stack
 
 
 def sonew(

@@ -19,7 +19,8 @@ place:
   collective-permute per mesh axes and direction;
 * each program writes per-tile norm pairs of Adam's direction and of ``u``; XLA merges them into
   the graft ratios (and, sharded, across shards in one ``psum``: ``chain.merge_shards``);
-* tensors of one shape share launches (``launch.group_update``) so that small ones fill the GPU.
+* tensors of one shape share launches (``launch.group_update``) so that small ones fill the GPU;
+  ``stack_by_shape`` copies their gradients into its stacks with ``stack``, at a copy's bandwidth.
 
 The math is ``pointwise``'s and ``solve``'s, the functions the XLA path runs, so both agree to
 float rounding. Every tuning choice is a field of :class:`KernelConfig`. ``interpret=True`` runs
@@ -38,6 +39,7 @@ from sonew_pax.optim.kernels.geometry import (
 from sonew_pax.optim.kernels.halo import Edges, Halo, band_halo_rows, gather_halos, kernel_edges
 from sonew_pax.optim.kernels.launch import group_update, launch_key, leaf_update
 from sonew_pax.optim.kernels.program import Apply
+from sonew_pax.optim.kernels.stack import stack, stackable
 
 __all__ = [
     "CONCURRENT_OPTIONS",
@@ -55,6 +57,8 @@ __all__ = [
     "launch_key",
     "leaf_update",
     "local_shape",
+    "stack",
+    "stackable",
     "supported",
     "tile_view",
     "tpu",

@@ -50,6 +50,9 @@ class KernelConfig:
       concurrent_banded_tile: see ``concurrent``.
       halo_group: state arrays per halo launch (each is a kernel argument and a branch).
       halo_cols: columns per halo program.
+      stack_tile: ``(elements, num_warps)``: a program of ``kernels.stack`` (``stack_by_shape``'s
+        copy of the gradients into stacks) copies that many contiguous elements of one member.
+      stack_group: members per launch of that copy (each is a kernel argument and a branch).
       max_offset: the largest flat offset the kernels index (int32): a tensor (with its band
         off-diagonals) or a halo buffer beyond it is refused or split.
       platform: the kernels' target: ``"gpu"`` (Triton kernels, bands 0 to ``max_band``) or
@@ -83,6 +86,8 @@ class KernelConfig:
     concurrent_banded_tile: Tile = (256, 128, 4)
     halo_group: int = 64
     halo_cols: int = 512
+    stack_tile: tuple[int, int] = (1024, 4)
+    stack_group: int = 64
     max_offset: int = 2**31 - 1
     platform: str | None = None
     tpu_block: tuple[int, int] = (256, 512)
@@ -99,6 +104,11 @@ class KernelConfig:
                     f"KernelConfig.{name} = {tile!r}: want (rows, cols, num_warps), each a power "
                     "of 2 (Triton's block shapes and warp counts)"
                 )
+        if len(self.stack_tile) != 2 or not all(_power_of_2(x) for x in self.stack_tile):
+            raise ValueError(
+                f"KernelConfig.stack_tile = {self.stack_tile!r}: want (elements, num_warps), "
+                "each a power of 2"
+            )
         for name in ("scan_stack", "halo_cols"):
             if not _power_of_2(getattr(self, name)):
                 raise ValueError(
@@ -113,6 +123,7 @@ class KernelConfig:
             "max_group",
             "max_banded_group",
             "halo_group",
+            "stack_group",
             "max_offset",
         )
         for name in counts:
