@@ -356,8 +356,13 @@ def make_optimizer(
     stacked_axes: Any = None,
 ) -> optax.GradientTransformation:
     """Global-norm clipping (when ``clip_norm`` is set) followed by the configured optimizer,
-    keeping its fused apply (``optim.chain``)."""
+    keeping its fused apply (``optim.chain``), into which the clip's factor folds: SONew
+    multiplies the gradients as it reads them (``optim.clip_by_global_norm``, optax's clip).
+    Optimizers without an apply (optax's) take ``optax.clip_by_global_norm``, whose product
+    XLA fuses into their update."""
     tx = factory(schedule, mesh=mesh, param_specs=param_specs, stacked_axes=stacked_axes)
     if clip_norm is None:
         return tx
-    return optim.chain(optax.clip_by_global_norm(clip_norm), tx)
+    if not isinstance(tx, optim.GradientTransformationWithApply):
+        return optax.chain(optax.clip_by_global_norm(clip_norm), tx)
+    return optim.chain(optim.clip_by_global_norm(clip_norm), tx)

@@ -173,13 +173,22 @@ def test_sharded_apply_equals_unsharded(x64):
 
 def test_sharded_kernel_apply_equals_unsharded(x64, kernel_spy):
     """Under a mesh every tensor's kernel writes its parameters inside ``shard_map`` (the sharded
-    ones with their edges from the neighbouring shards); all equal the unsharded optimizer."""
+    ones with their edges from the neighbouring shards); all equal the unsharded optimizer. Behind
+    a clip whose factor folds into the kernels' reads: the edges from the other shards come
+    scaled as the kernels scale their own rows."""
     mesh = make_mesh((2, 4))
     specs = {"cols": P(None, "model"), "rows": P("data", None), "rep": P()}
     params, grads = _problem({"cols": (5, 8), "rows": (8, 3), "rep": (6, 7)}, steps=3)
+    clip = 0.5 * min(float(optax.tree.norm(g)) for g in grads)
     kwargs = dict(band=1, graft_lag=True, weight_decay=0.1, stats_dtype=jnp.float64)
-    expect = _both_paths(optim.sonew(SCHEDULE, implementation="xla", **kwargs), params, grads)[0]
-    tx = optim.sonew(SCHEDULE, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs)
+    reference = optax.chain(
+        optax.clip_by_global_norm(clip), optim.sonew(SCHEDULE, implementation="xla", **kwargs)
+    )
+    expect = _both_paths(reference, params, grads)[0]
+    tx = optim.chain(
+        optim.clip_by_global_norm(clip),
+        optim.sonew(SCHEDULE, implementation="pallas", mesh=mesh, param_specs=specs, **kwargs),
+    )
     state_specs = optim.state_partition_specs(tx.init(params), specs)
 
     def put(tree, tree_specs):
@@ -211,6 +220,53 @@ def test_chain_keeps_the_last_apply(x64):
     assert not isinstance(plain, optim.GradientTransformationWithApply)
     (expect_p, _), (got_p, _) = _both_paths(plain, params, grads)
     _assert_close(expect_p, got_p, 0)
+
+
+def test_clip_by_global_norm_is_optaxs(x64):
+    params, grads = _problem(SHAPES, steps=1)
+    norm = float(optax.tree.norm(grads[0]))
+    for max_norm in (0.5 * norm, 2 * norm):  # clipped, kept
+        ours, theirs = optim.clip_by_global_norm(max_norm), optax.clip_by_global_norm(max_norm)
+        assert ours.init(params) == theirs.init(params) == optax.EmptyState()
+        got, _ = ours.update(grads[0], ours.init(params))
+        expect, _ = theirs.update(grads[0], theirs.init(params))
+        _assert_close(expect, got, 1e-15)
+    assert float(optax.tree.norm(got)) == pytest.approx(norm)
+    with pytest.raises(ValueError, match="max_norm must be positive, got 0"):
+        optim.clip_by_global_norm(0)
+
+
+@pytest.mark.parametrize(
+    "implementation, stack_by_shape", [("xla", False), ("pallas", False), ("pallas", True)]
+)
+def test_clip_folds_into_the_apply(x64, implementation, stack_by_shape):
+    """``optim.chain(optim.clip_by_global_norm(c), sonew)``'s apply hands the clip's factor to
+    SONew (``gradient_scale``), which multiplies the gradients as it reads them: the same step
+    as optax's clip followed by SONew's update, on XLA and in the kernels (where a stack's
+    kernels read its members in place), clipped at every step."""
+    shapes = {"a": (24, 40), "b": (24, 40), "bias": (33,)}
+    params, grads = _problem(shapes, steps=3)
+    clip = 0.5 * min(float(optax.tree.norm(g)) for g in grads)
+    kwargs = dict(band=1, weight_decay=0.1, mask=_matrices, stats_dtype=jnp.float64)
+    kwargs |= dict(implementation=implementation, stack_by_shape=stack_by_shape)
+    kwargs["kernel_config"] = KernelConfig(scan_tile=(16, 64, 2))
+    reference = optax.chain(optax.clip_by_global_norm(clip), optim.sonew(SCHEDULE, **kwargs))
+    expect = _both_paths(reference, params, grads)[0]
+    sonew, scales = optim.sonew(SCHEDULE, **kwargs), []
+
+    def apply(updates, state, params, **extra):
+        scales.append(extra.get("gradient_scale"))
+        return sonew.apply(updates, state, params, **extra)
+
+    spied = optim.GradientTransformationWithApply(sonew.init, sonew.update, apply)
+    tx = optim.chain(optim.clip_by_global_norm(clip), spied)
+    step = jax.jit(_apply_step(tx))
+    p, s = params, tx.init(params)
+    for g in grads:
+        p, s = step(p, s, g)
+    _assert_close(expect[0], p, 1e-12)
+    _assert_close(expect[1], s, 1e-12)
+    assert len(scales) == 1 and scales[0] is not None  # traced once, with the clip's factor
 
 
 def test_transformation_with_apply_is_an_optax_transformation():

@@ -99,14 +99,18 @@ def test_sharded_stacked_by_shape_equals_unsharded_stepped_apart(x64, band):
 
 def test_kernel_stack_is_the_stack_cast():
     """``kernels.stack`` copies the members (several launches, blocks that do not divide a member)
-    into ``jnp.stack``'s array in the stack's dtype; ``stackable`` refuses stacks past int32."""
+    into ``jnp.stack``'s array in the stack's dtype, times a scale where given (the product
+    rounded once); ``stackable`` refuses stacks past int32."""
     config = dataclasses.replace(kernels.DEFAULT, stack_tile=(16, 1), stack_group=2)
     rng = np.random.default_rng(0)
     members = [jnp.asarray(rng.normal(size=(5, 7)), jnp.float32) for _ in range(5)]
+    scale = jnp.float32(0.37)
     for dtype in (jnp.float32, jnp.bfloat16):
         got = kernels.stack(members, dtype, config, interpret=True)
         assert got.dtype == dtype
         np.testing.assert_array_equal(got, jnp.stack(members).astype(dtype))
+        got = kernels.stack(members, dtype, config, interpret=True, scale=scale)
+        np.testing.assert_array_equal(got, (jnp.stack(members) * scale).astype(dtype))
     assert kernels.stackable((5, 7), 5, config)
     assert not kernels.stackable((5, 7), 5, dataclasses.replace(config, max_offset=174))
     assert not kernels.stackable((0, 7), 5, config)

@@ -35,7 +35,13 @@ from sonew_pax.optim.sonew import (
     scale_by_sonew,
     sonew,
 )
-from sonew_pax.optim.transform import GradientTransformationWithApply, apply_gradients, chain
+from sonew_pax.optim.transform import (
+    GradientScaling,
+    GradientTransformationWithApply,
+    apply_gradients,
+    chain,
+    clip_by_global_norm,
+)
 
 __all__ = [
     "DEFAULT_DAMPING",
@@ -43,6 +49,7 @@ __all__ = [
     "DEFAULT_GAMMA",
     "DEFAULT_GRAFT_LAG",
     "MAX_BAND",
+    "GradientScaling",
     "GradientTransformationWithApply",
     "KernelConfig",
     "SONewConfig",
@@ -52,6 +59,7 @@ __all__ = [
     "StackedByShapeState",
     "apply_gradients",
     "chain",
+    "clip_by_global_norm",
     "scale_by_sonew",
     "sonew",
     "specs_of",

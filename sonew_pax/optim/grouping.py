@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from sonew_pax.optim import sharding
+from sonew_pax.optim.transform import scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +52,13 @@ class Grouping:
         tree: Any,
         dtype: Any = None,
         stack: Callable[[int, list], jax.Array | None] | None = None,
+        scale: jax.Array | None = None,
     ) -> list:
         """``tree`` (the parameters' structure) as the list of stored entries, the stacked ones
         in ``dtype`` where given (``None``: their members'), cast as they are copied: by
-        ``stack(k, members)`` for entry ``k`` where given and it returns a stack, else by XLA
-        (:func:`_stacked`).
+        ``stack(k, members)`` for entry ``k`` where given and it returns a stack (which then
+        applies ``scale`` itself), else by XLA (:func:`_stacked`). Every leaf is taken times
+        ``scale`` where given (``transform.scaled``).
 
         Raises:
           ValueError: ``tree``'s structure or a leaf's shape is not the parameters' at ``init``
@@ -80,10 +83,11 @@ class Grouping:
                 )
 
         def entry(k: int, members: list, split: bool) -> jax.Array:
-            if len(members) == 1:
-                return members[0]
-            copied = None if stack is None else stack(k, members)
-            return _stacked(members, split, dtype) if copied is None else copied
+            copied = None if stack is None or len(members) == 1 else stack(k, members)
+            if copied is not None:
+                return copied
+            members = [scaled(x, scale) for x in members]
+            return members[0] if len(members) == 1 else _stacked(members, split, dtype)
 
         return [
             entry(k, [leaves[i] for i in group], split)

@@ -70,7 +70,7 @@ from sonew_pax.optim.state import (
     ScaleBySONewState,
     StackedByShapeState,
 )
-from sonew_pax.optim.transform import GradientTransformationWithApply
+from sonew_pax.optim.transform import GradientTransformationWithApply, scaled
 
 
 def _check_real_floats(tree: Any, what: str) -> None:
@@ -343,9 +343,11 @@ def _scale_by_sonew(
             )
         return ScaleBySONewLagState(*state, ratio) if config.graft_lag else state
 
-    def advance(updates, state, apply: ApplyArgs | None):
+    def advance(updates, state, apply: ApplyArgs | None, gradient_scale):
         _check_real_floats(updates, "gradients")
         _check_shapes(updates, state.m)
+        # XLA fuses the product into the step's reads, as it does optax's clip.
+        updates = scaled(updates, _compute_scale(gradient_scale, stats_dtype))
         count = optax.safe_int32_increment(state.count)
         t = count.astype(stats_dtype)
         corrections = tuple(1 - jnp.asarray(b, stats_dtype) ** t for b in (config.b1, config.b2))
@@ -366,10 +368,12 @@ def _scale_by_sonew(
         updates: optax.Updates,
         state: State,
         params: optax.Params | None = None,
+        *,
+        gradient_scale: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, State]:
         del params, extra_args
-        return advance(_as_arrays(updates), state, None)
+        return advance(_as_arrays(updates), state, None, gradient_scale)
 
     def apply_fn(
         updates: optax.Updates,
@@ -379,12 +383,14 @@ def _scale_by_sonew(
         scale: Any = 1.0,
         weight_decay: Any = 0.0,
         mask: Any = None,
+        gradient_scale: Any = None,
         **extra_args: Any,
     ) -> tuple[optax.Params, State]:
         del extra_args
         updates, params = _as_arrays((updates, params))
         numbers = (jnp.asarray(x, stats_dtype) for x in (scale, weight_decay))
-        return advance(updates, state, ApplyArgs(params, *numbers, _decay_flags(mask, params)))
+        apply = ApplyArgs(params, *numbers, _decay_flags(mask, params))
+        return advance(updates, state, apply, gradient_scale)
 
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
 
@@ -411,23 +417,26 @@ def _stacked_by_shape(
         grouping = grouping_lib.grouping_of(params, stacked_axes, param_specs)
         return StackedByShapeState(over(grouping).init(grouping.pack(params)), grouping)
 
-    def update_fn(updates, state, params=None, **extra_args):
+    def update_fn(updates, state, params=None, *, gradient_scale=None, **extra_args):
         del params, extra_args
         updates = _as_arrays(updates)
         _check_real_floats(updates, "gradients")
         grouping = state.grouping
-        stacked = grouping.pack(
-            updates, config.stack_dtype, _kernel_stack(config, mesh, param_specs, grouping)
-        )
+        factor = _compute_scale(gradient_scale, config.dtypes[1])
+        copy = _kernel_stack(config, mesh, param_specs, grouping, factor)
+        stacked = grouping.pack(updates, config.stack_dtype, copy, factor)
         packed, inner = over(grouping).update(stacked, state.inner)
         # In the gradients' dtypes, as optax's updates are (a cast that XLA fuses into the apply).
         direction = jax.tree.map(lambda u, g: u.astype(g.dtype), grouping.unpack(packed), updates)
         return direction, StackedByShapeState(inner, grouping)
 
-    def apply_fn(updates, state, params, *, scale=1.0, weight_decay=0.0, mask=None, **extra):
+    def apply_fn(
+        updates, state, params, *, scale=1.0, weight_decay=0.0, mask=None, gradient_scale=None,
+        **extra,
+    ):  # fmt: skip
         del extra
         params = _as_arrays(params)
-        direction, state = update_fn(updates, state)
+        direction, state = update_fn(updates, state, gradient_scale=gradient_scale)
         scale, weight_decay = (jnp.asarray(x, config.dtypes[1]) for x in (scale, weight_decay))
 
         def add(p, u, decayed):
@@ -439,40 +448,54 @@ def _stacked_by_shape(
     return GradientTransformationWithApply(init_fn, update_fn, apply_fn)
 
 
+def _compute_scale(gradient_scale: Any, stats_dtype: Any) -> jax.Array | None:
+    """A gradient scale (``transform.GradientScaling``'s factor) in the dtype the step computes
+    in; ``None`` where there is none."""
+    if gradient_scale is None:
+        return None
+    return jnp.asarray(gradient_scale, pointwise.compute_dtype(stats_dtype))
+
+
 def _kernel_stack(
     config: SONewConfig,
     mesh: jax.sharding.Mesh | None,
     param_specs: Any,
     grouping: grouping_lib.Grouping,
+    scale: jax.Array | None,
 ) -> Callable[[int, list], jax.Array | None] | None:
     """``Grouping.pack``'s copy of the gradients into their stacks where SONew's GPU kernels run
     (``kernels.stack``: XLA's ``concatenate`` of many operands runs at a third of a copy's
-    bandwidth), under ``shard_map`` on each device's blocks where a ``mesh`` is given; ``None``
-    elsewhere (XLA's copy)."""
+    bandwidth), each times ``scale`` where given (a clip's factor: the copy reads the gradients
+    unscaled, so no clipped product is written out for it), under ``shard_map`` on each
+    device's blocks where a ``mesh`` is given; ``None`` elsewhere (XLA's copy)."""
     kernels = dispatch.kernels_enabled(config.implementation, mesh, config.kernel_config)
     if kernels is None or dispatch.kernel_platform(kernels) != "gpu":
         return None
     interpret = dispatch.interpreted(kernels)
     specs = grouping.specs(param_specs)
+    factor = [] if scale is None else [scale]
 
     def stack(k: int, members: list) -> jax.Array | None:
         if not pallas.stackable(grouping.shapes[k], len(members), kernels):
             return None
         # Cast before the copy: XLA fuses the cast into each member's producer (a bf16 model's
-        # float32 gradient is its matmul's bf16 output converted), so the copy reads the
-        # narrower dtype; a member already in memory in float32 pays one more pass.
+        # float32 gradient is its matmul's bf16 output converted: the pair cancels), so the copy
+        # reads the narrower dtype; a member already in memory in float32 pays one more pass.
+        # With a scale, a member narrowed so is rounded once more than on XLA, unless it holds
+        # values of the narrower dtype (a bf16 model's gradients).
         dtype = config.stack_dtype or members[0].dtype
         members = [x.astype(dtype) for x in members]
 
         def copy(*blocks):
-            return pallas.stack(blocks, dtype, kernels, interpret)
+            split = len(blocks) - len(factor)
+            return pallas.stack(blocks[:split], dtype, kernels, interpret, *blocks[split:])
 
         if mesh is None:
-            return copy(*members)
+            return copy(*members, *factor)
         spec = specs[k]
-        in_specs = (P(*spec[1:]),) * len(members)
+        in_specs = (P(*spec[1:]),) * len(members) + (P(),) * len(factor)
         return jax.shard_map(copy, mesh=mesh, in_specs=in_specs, out_specs=spec, check_vma=False)(
-            *members
+            *members, *factor
         )
 
     return stack
@@ -588,14 +611,15 @@ def sonew(
     rate = optax.scale_by_learning_rate(learning_rate)
     tx = optax.chain(precondition, decayed, rate)
 
-    def apply_fn(updates, state, params, **extra_args):
+    def apply_fn(updates, state, params, *, gradient_scale=None, **extra_args):
         del extra_args
         sonew_state, decay_state, rate_state = state
         # -lr of this step, and the schedule's next state: the rate's update of the scalar 1.
         scale, rate_state = rate.update(jnp.ones([], config.dtypes[1]), rate_state)
         params, sonew_state = precondition.apply(
-            updates, sonew_state, params, scale=scale, weight_decay=weight_decay, mask=mask
-        )
+            updates, sonew_state, params, scale=scale, weight_decay=weight_decay, mask=mask,
+            gradient_scale=gradient_scale,
+        )  # fmt: skip
         return params, (sonew_state, decay_state, rate_state)  # weight decay has no state
 
     return GradientTransformationWithApply(tx.init, tx.update, apply_fn)

@@ -23,12 +23,14 @@ from sonew_pax.optim.kernels.config import DEFAULT, KernelConfig
 from sonew_pax.optim.kernels.program import bind
 
 
-def stack_kernel(*refs, size: int, block: int, count: int, first: int):
+def stack_kernel(*refs, size: int, block: int, count: int, first: int, scaled: bool):
     """Program ``(s, i)`` copies block ``i`` of ``block`` elements of member ``s`` (of
     ``count``: the first ``count`` refs, each flat of ``size`` elements) into the flat stack (the
-    last ref) at member ``first + s``, cast to the stack's dtype. Refs between the members and
-    the stack are earlier launches' stacks, aliased to it and not read."""
+    last ref) at member ``first + s``, cast to the stack's dtype; where ``scaled``, times the
+    scalar in the next ref (the product in the scalar's dtype, rounded once). A ref between
+    those and the stack is an earlier launch's stack, aliased to it and not read."""
     members, out_ref = refs[:count], refs[-1]
+    scale = refs[count][0] if scaled else None
     s, i = pl.program_id(0), pl.program_id(1)
     at = i * block + jnp.arange(block, dtype=jnp.int32)
     mask = at < size
@@ -40,6 +42,7 @@ def stack_kernel(*refs, size: int, block: int, count: int, first: int):
         @pl.when(s == k)
         def _copy(ref=ref):
             x = plgpu.load(ref.at[jnp.where(mask, at, 0)], mask=mask)
+            x = x if scale is None else x.astype(scale.dtype) * scale
             plgpu.store(out_ref.at[to], x.astype(out_ref.dtype), mask=mask)
 
 
@@ -54,8 +57,10 @@ def stack(
     dtype: jax.typing.DTypeLike,
     config: KernelConfig = DEFAULT,
     interpret: bool = False,
+    scale: jax.Array | None = None,
 ) -> jax.Array:
-    """``jnp.stack(tensors).astype(dtype)``, copied by :func:`stack_kernel`.
+    """``jnp.stack(tensors).astype(dtype)``, each element times ``scale`` where given (a
+    gradient clip's factor, ``transform.GradientScaling``), copied by :func:`stack_kernel`.
 
     Up to ``config.stack_group`` tensors per launch (each is a kernel argument and a branch);
     later launches write into the first's output in place. Check :func:`stackable` first.
@@ -65,6 +70,8 @@ def stack(
       dtype: the stack's dtype (each member cast as it is copied).
       config: the kernels' configuration (``stack_tile``, ``stack_group``).
       interpret: run in Pallas' interpreter (off a GPU).
+      scale: ``None``, or a scalar: each element is cast to its dtype, multiplied by it and
+        rounded to ``dtype``.
 
     Returns:
       The ``(len(tensors), *shape)`` stack.
@@ -73,20 +80,13 @@ def stack(
     size = math.prod(shape)
     per = min(config.stack_group, count)
     flat = [x.reshape(-1) for x in tensors]
+    factor = [] if scale is None else [jnp.reshape(scale, (1,))]
     out = None
     for first in range(0, count, per):
         part = flat[first : first + per]
-        call = stack_call(
-            size,
-            count,
-            len(part),
-            first,
-            jnp.dtype(dtype),
-            config.stack_tile,
-            out is not None,
-            interpret,
-        )
-        out = call(*part) if out is None else call(*part, out)
+        launch = (size, count, len(part), first, jnp.dtype(dtype), config.stack_tile)
+        call = stack_call(*launch, bool(factor), out is not None, interpret)
+        out = call(*part, *factor) if out is None else call(*part, *factor, out)
     return out.reshape(count, *shape)
 
 
@@ -98,18 +98,20 @@ def stack_call(
     first: int,
     dtype,
     tile: tuple[int, int],
+    scaled: bool,
     aliased: bool,
     interpret: bool,
 ) -> Callable:
-    """One launch of :func:`stack`: ``members`` flat tensors of ``size`` elements into members
-    ``first`` on of a flat stack of ``count`` (the last argument where ``aliased``, updated in
-    place), jitted and cached (as ``halo.halo_call``)."""
+    """One launch of :func:`stack`: ``members`` flat tensors of ``size`` elements (then the
+    scalar where ``scaled``) into members ``first`` on of a flat stack of ``count`` (the last
+    argument where ``aliased``, updated in place), jitted and cached (as ``halo.halo_call``)."""
     block, num_warps = tile
+    static = dict(size=size, block=block, count=members, first=first, scaled=scaled)
     copy = pl.pallas_call(
-        bind(stack_kernel, "sonew_stack", size=size, block=block, count=members, first=first),
+        bind(stack_kernel, "sonew_stack", **static),
         grid=(members, pl.cdiv(size, block)),
         out_shape=jax.ShapeDtypeStruct((count * size,), dtype),
-        input_output_aliases={members: 0} if aliased else {},
+        input_output_aliases={members + scaled: 0} if aliased else {},
         interpret=interpret,
         compiler_params=None if interpret else plgpu.CompilerParams(num_warps=num_warps),
         name="sonew_stack",
