@@ -3,8 +3,9 @@
 XLA's GPU compiler emits a ``concatenate`` of many operands as one loop over the output that
 stores about one element per multiprocessor cycle, whatever the element's size: a third of a
 copy's bandwidth on the stacks of an LM's layers. This kernel copies each member in blocks of
-contiguous elements, so its loads and stores are as wide as a plain copy's. What it trades: XLA
-cannot fuse a member's producer (a cast, the gradient clip's scaling) into the kernel, so such a
+contiguous elements, so its loads and stores are as wide as a plain copy's, and it multiplies by
+a gradient clip's factor as it copies (``scale``). What it trades: XLA cannot fuse a member's
+producer into the kernel (a split-K matrix product's reduction of its partial sums, say), so such a
 producer writes its result once before the copy reads it.
 """
 
