@@ -236,14 +236,13 @@ def test_clip_by_global_norm_is_optaxs(x64):
         optim.clip_by_global_norm(0)
 
 
-@pytest.mark.parametrize(
-    "implementation, stack_by_shape", [("xla", False), ("pallas", False), ("pallas", True)]
-)
+@pytest.mark.parametrize("implementation, stack_by_shape", [("xla", False), ("pallas", True)])
 def test_clip_folds_into_the_apply(x64, implementation, stack_by_shape):
     """``optim.chain(optim.clip_by_global_norm(c), sonew)``'s apply hands the clip's factor to
     SONew (``gradient_scale``), which multiplies the gradients as it reads them: the same step
-    as optax's clip followed by SONew's update, on XLA and in the kernels (where a stack's
-    kernels read its members in place), clipped at every step."""
+    as optax's clip followed by SONew's update, on XLA and stacked by shape on the kernels
+    (``kernels.stack`` scales as it copies; the unstacked ``bias`` is scaled on XLA), clipped at
+    every step."""
     shapes = {"a": (24, 40), "b": (24, 40), "bias": (33,)}
     params, grads = _problem(shapes, steps=3)
     clip = 0.5 * min(float(optax.tree.norm(g)) for g in grads)
@@ -267,6 +266,8 @@ def test_clip_folds_into_the_apply(x64, implementation, stack_by_shape):
     _assert_close(expect[0], p, 1e-12)
     _assert_close(expect[1], s, 1e-12)
     assert len(scales) == 1 and scales[0] is not None  # traced once, with the clip's factor
+    program = str(jax.make_jaxpr(_apply_step(tx))(params, tx.init(params), grads[0]))
+    assert ("name=sonew_stack" in program) == stack_by_shape
 
 
 def test_transformation_with_apply_is_an_optax_transformation():

@@ -116,21 +116,19 @@ def test_kernel_stack_is_the_stack_cast():
     assert not kernels.stackable((0, 7), 5, config)
 
 
-@pytest.mark.parametrize("mesh_shape", [None, (2, 4)])
-def test_stacks_for_the_kernels_are_copied_by_a_kernel(x64, mesh_shape):
-    """Where SONew's GPU kernels run, the gradients are copied into their stacks by
-    ``kernels.stack`` (on a mesh under ``shard_map``, each device its blocks), and the update
-    equals the tensors stepped apart (on XLA, unsharded)."""
+def test_stacks_for_the_kernels_are_copied_by_a_kernel_on_each_device(x64):
+    """Where SONew's GPU kernels run on a mesh, the gradients are copied into their stacks by
+    ``kernels.stack`` under ``shard_map`` (each device its blocks), and the update equals the
+    tensors stepped apart (on XLA, unsharded). Unsharded: ``test_apply``'s clip-fold test."""
+    mesh_shape = (2, 4)
     names = ("a0", "a1", "a2", "b0", "b1", "x")
     params, grads = _problem(seed=5, steps=2)
     params, grads = {k: params[k] for k in names}, [{k: g[k] for k in names} for g in grads]
     kwargs = dict(band=1, eps=1e-2, stats_dtype=jnp.float64)
     expect, _ = run(sonew(0.1, implementation="xla", **kwargs), params, grads)
-    mesh = specs = None
-    if mesh_shape is not None:
-        mesh = make_mesh(mesh_shape)
-        specs = {k: P(None, "model") for k in names} | {"b0": P("model"), "b1": P("model")}
-        kwargs |= dict(mesh=mesh, param_specs=specs)
+    mesh = make_mesh(mesh_shape)
+    specs = {k: P(None, "model") for k in names} | {"b0": P("model"), "b1": P("model")}
+    kwargs |= dict(mesh=mesh, param_specs=specs)
     tx = sonew(0.1, stack_by_shape=True, implementation="pallas", **kwargs)
     got, state = run(tx, params, grads, mesh, specs)
     for e_step, g_step in zip(expect, got, strict=True):
