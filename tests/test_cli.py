@@ -1,7 +1,8 @@
 """The command line, run as a user runs it (subprocesses, 8 simulated CPU devices, 2x4 mesh).
 
-Resume is exact: a run killed with ``kill -9`` after a checkpoint, and a run stopped by SIGTERM,
-then restarted, log the same losses, bit for bit, as a run never interrupted. The interrupted runs
+Resume is exact: a run killed with ``kill -9`` after a checkpoint, resumed by a run stopped by
+SIGTERM, then resumed again, logs the same losses, bit for bit, as a run never interrupted. The
+interrupted runs
 are started with a huge TRAIN_STEPS (so they are surely still running when interrupted) and
 restarted with the reference's TRAIN_STEPS; the learning rate is constant, so TRAIN_STEPS changes
 nothing else. A second run in the same MODEL_DIR is refused while the first lives, and takes over
@@ -100,22 +101,6 @@ def reference(tmp_path_factory, env):
     return losses(model_dir)
 
 
-def test_kill_9_after_a_checkpoint_then_resume_is_exact(reference, tmp_path, env):
-    process = subprocess.Popen(
-        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    wait_for(tmp_path / f"checkpoint_{2 * PERIOD}", process)
-    process.kill()  # SIGKILL: no handler runs, its lock stays
-    process.communicate()
-    assert process.returncode == -signal.SIGKILL
-    done = run(tmp_path, STEPS, env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "Took over the lock of a run that is gone" in done.stderr
-    assert "Resumed" in done.stderr
-    assert losses(tmp_path) == reference  # every step, same bits
-
-
 def test_second_run_in_the_same_model_dir_is_refused(tmp_path, env):
     process = subprocess.Popen(
         command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -131,22 +116,36 @@ def test_second_run_in_the_same_model_dir_is_refused(tmp_path, env):
     assert f"is in use by another run: pid {process.pid}" in second.stderr
 
 
-def stopped_by(signum: int, tmp_path, env) -> tuple[int, str, float]:
-    """Starts a long run, sends it ``signum`` once its first periodic checkpoint exists and waits
-    for it: its exit status, its stderr and the seconds from the signal to its exit."""
+def stopped_by(signum: int, tmp_path, env, after: int = PERIOD) -> tuple[int, str, float]:
+    """Starts a long run, sends it ``signum`` once the checkpoint of step ``after`` exists and
+    waits for it: its exit status, its stderr and the seconds from the signal to its exit."""
     process = subprocess.Popen(
         command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
-    wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
+    wait_for(tmp_path / f"checkpoint_{after}", process)
     process.send_signal(signum)
     sent = time.monotonic()
     _, stderr = process.communicate(timeout=60)
     return process.returncode, stderr, time.monotonic() - sent
 
 
-def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_path, env):
-    status, stderr, seconds = stopped_by(signal.SIGTERM, tmp_path, env)
+def test_killed_then_stopped_run_resumes_exactly(reference, tmp_path, env):
+    """A run killed with ``kill -9`` after its first checkpoint leaves its lock; the next run takes
+    the lock over and resumes; SIGTERM stops that one at its current step with a checkpoint; the
+    last run resumes from it. Every step's loss equals the uninterrupted run's, bit for bit."""
+    process = subprocess.Popen(
+        command(tmp_path, 10**6), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    wait_for(tmp_path / f"checkpoint_{PERIOD}", process)
+    process.kill()  # SIGKILL: no handler runs, its lock stays
+    process.communicate()
+    assert process.returncode == -signal.SIGKILL
+
+    status, stderr, seconds = stopped_by(signal.SIGTERM, tmp_path, env, after=2 * PERIOD)
+    assert "Took over the lock of a run that is gone" in stderr
+    assert "Resumed" in stderr
     assert status == train.EXIT_STOPPED, stderr[-3000:]  # not 0: not finished
     assert seconds < 15
     saved = max(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoint_*"))
@@ -154,6 +153,7 @@ def test_sigterm_saves_at_the_current_step_and_resume_is_exact(reference, tmp_pa
     assert "Finished" not in stderr
     assert max(losses(tmp_path)) == saved  # metrics logged up to the stop
     assert saved < STEPS, "the run went too far before SIGTERM to test resuming"
+
     done = run(tmp_path, STEPS, env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"from step {saved}" in done.stderr
