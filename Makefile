@@ -43,7 +43,7 @@ demo: setup
 
 # The seqio venv is built while the suite runs (make's jobs: an interrupt stops both), at the
 # lowest CPU priority: pip takes the cores while the suite's two workers wait on subprocesses and
-# files, instead of slowing them, and it still ends well before they do.
+# files, instead of slowing them, and it still ends before they do.
 test: setup
 	$(VENV)/bin/ruff check .
 	$(MAKE) -j2 test-main setup-seqio SEQIO_NICE="nice -n 19"

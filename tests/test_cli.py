@@ -2,14 +2,13 @@
 
 Resume is exact: a run killed with ``kill -9`` after a checkpoint, resumed by a run stopped by
 SIGTERM, then resumed again, logs the same losses, bit for bit, as a run never interrupted. The
-interrupted runs
-are started with a huge TRAIN_STEPS (so they are surely still running when interrupted) and
-restarted with the reference's TRAIN_STEPS; the learning rate is constant, so TRAIN_STEPS changes
-nothing else. A second run in the same MODEL_DIR is refused while the first lives, and takes over
-its lock after ``kill -9``. Also: exit status 1 and nothing written for a misspelled binding or
-macro, an unset macro, TRAIN_STEPS < 1 or a mesh that does not fit the devices; a diverged run
-exits 1 naming the step, with only finite checkpoints and strict JSON metrics. Compiled programs
-are shared through a persistent cache.
+interrupted runs are started with a huge TRAIN_STEPS (so they are surely still running when
+interrupted) and restarted with the reference's TRAIN_STEPS; the learning rate is constant, so
+TRAIN_STEPS changes nothing else. A second run in the same MODEL_DIR is refused while the first
+lives, and takes over its lock after ``kill -9``. Also: exit status 1 and nothing written for a
+misspelled binding or macro, an unset macro, TRAIN_STEPS < 1 or a mesh that does not fit the
+devices; a diverged run exits 1 naming the step, with only finite checkpoints and strict JSON
+metrics. Compiled programs are shared through a persistent cache.
 """
 
 import json
