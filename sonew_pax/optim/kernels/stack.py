@@ -5,8 +5,9 @@ stores about one element per multiprocessor cycle, whatever the element's size: 
 copy's bandwidth on the stacks of an LM's layers. This kernel copies each member in blocks of
 contiguous elements, so its loads and stores are as wide as a plain copy's, and it multiplies by
 a gradient clip's factor as it copies (``scale``). What it trades: XLA cannot fuse a member's
-producer into the kernel (a split-K matrix product's reduction of its partial sums, say), so such a
-producer writes its result once before the copy reads it.
+producer into the kernel (a split-K matrix product's reduction of its partial sums, or the
+transpose that puts a 3-D attention weight's gradient in the weight's layout), so such a producer
+writes its result once before the copy reads it.
 """
 
 from __future__ import annotations
