@@ -27,11 +27,13 @@ With ``--train_step GIN_FILE`` it compiles instead a run's whole train step (the
 once per ``--step_optimizers`` entry (:data:`STEP_OPTIMIZERS`) and ``--step_layers`` depth, and
 reads per chip its compiled ``memory_analysis()`` (arguments, outputs, aliased, temporaries,
 generated code, peak; ``total_gib`` = arguments + outputs - aliased + temporaries + code, against
-the chip's HBM) and ``hbm_gb``, :func:`hbm_bytes` of the step (a loop's body once per trip). With
-two or more depths each entry also gets a row at the config's own depth, extrapolated linearly in
-layers from the two deepest (:func:`extrapolate`). Output (default
+the chip's HBM), ``hbm_gb``, :func:`hbm_bytes` of the step (a loop's body once per trip), and
+``collective_matmul_gb``, the part of it in XLA's windowed einsum loops. With two or more depths
+each entry also gets a row at the config's own depth, extrapolated linearly in layers from the two
+deepest (:func:`extrapolate`). Output (default
 ``benchmarks/results/tpu_compile_step.json``) as above, rows
-``{"optimizer", "layers", "extrapolated", *memory, "hbm_gb", "total_vs_adamw", "compile_s"}``.
+``{"optimizer", "layers", "extrapolated", *memory, "hbm_gb", "collective_matmul_gb",
+"total_vs_adamw", "compile_s"}``.
 
 Usage: ``python -m benchmarks.tpu_compile [--topology v5e:2x2] [--optimizers adamw,sonew_tridiag]``,
 ``python -m benchmarks.tpu_compile --train_step runs/pretrain_1b_v4_32.gin --topology v4:2x2x4``.
@@ -62,9 +64,13 @@ MEMORY_FIELDS = {
     "code_gib": "generated_code_size_in_bytes",
     "peak_gib": "peak_memory_in_bytes",
 }
-STEP_COLUMNS = ("optimizer", "layers", *MEMORY_FIELDS, "total_gib", "total_vs_adamw", "hbm_gb")
+STEP_COLUMNS = (
+    "optimizer", "layers", *MEMORY_FIELDS, "total_gib", "total_vs_adamw", "hbm_gb",
+    "collective_matmul_gb",
+)  # fmt: skip
 # The train step's optimizers: gin files and bindings added to the run's config ("config": the
-# run's own; "config_pallas": with the TPU kernels, lowered as Mosaic kernels from this host).
+# run's own; "config_pallas": with the TPU kernels, lowered as Mosaic kernels from this host;
+# "config_per_tensor": without stacking by shape, each tensor's gradients as they come).
 STEP_OPTIMIZERS = {
     "adamw": (("optimizers/adamw.gin",), ()),
     "config": ((), ()),
@@ -77,6 +83,7 @@ STEP_OPTIMIZERS = {
             "KernelConfig.interpret = False",
         ),
     ),
+    "config_per_tensor": ((), ("sonew.stack_by_shape = False", "sonew.stack_dtype = None")),
 }
 # Bindings every run config leaves required; nothing is written and no step runs.
 STEP_REQUIRED = ('MODEL_DIR = "/unused"', "TRAIN_STEPS = 100000")
@@ -103,9 +110,32 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
     return sum(by_opcode.values()), by_opcode
 
 
-def _computation_bytes(computations, computation: str, times: int, by_opcode: collections.Counter):
+# XLA's SPMD partitioner names the loops of a windowed einsum (a collective matmul: a sharded
+# product computed a piece per trip while an operand or the partial result goes round the ring)
+# after this.
+_WINDOWED_EINSUM = "windowed_dot_general_body"
+
+
+def collective_matmul_bytes(text: str) -> int:
+    """The part of :func:`hbm_bytes` moved inside XLA's windowed einsum loops: the products of a
+    model sharded FSDP-style, which an optimizer changes only through the partitioner's and
+    fusion passes' choices around the gradients it consumes."""
+    computations = common.hlo_computations(text)
+    windowed: collections.Counter = collections.Counter()
+    _computation_bytes(computations, common.hlo_entry(text), 1, collections.Counter(), windowed)
+    return sum(windowed.values())
+
+
+def _computation_bytes(
+    computations,
+    computation: str,
+    times: int,
+    by_opcode: collections.Counter,
+    windowed: collections.Counter | None = None,
+):
     """Adds to ``by_opcode`` the HBM bytes ``computation`` moves, run ``times`` times
-    (:func:`hbm_bytes`'s rules)."""
+    (:func:`hbm_bytes`'s rules), and to ``windowed`` (where given) those of them moved in a
+    windowed einsum's loop."""
     shapes: dict[str, list[tuple[int, int]]] = {}
     texts: dict[str, str] = {}
     for name, shape, opcode, operands, line in common.hlo_instructions(computations[computation]):
@@ -115,7 +145,14 @@ def _computation_bytes(computations, computation: str, times: int, by_opcode: co
             continue
         if opcode == "while":
             body = re.search(r"body=%([\w.\-]+)", line).group(1)
-            _computation_bytes(computations, body, times * _trips(computations, line), by_opcode)
+            trips = times * _trips(computations, line)
+            if windowed is not None and _WINDOWED_EINSUM in body:
+                loop: collections.Counter = collections.Counter()  # the loop and all it runs
+                _computation_bytes(computations, body, trips, loop)
+                windowed.update(loop)
+                by_opcode.update(loop)
+            else:
+                _computation_bytes(computations, body, trips, by_opcode, windowed)
             continue
         inputs = [shapes.get(operand, []) for operand in operands]
         if opcode == "slice-start":  # reads the slice from its source
@@ -231,10 +268,11 @@ def compile_train_step(files: Sequence[str], bindings: Sequence[str], devices: S
       devices: the chips (:func:`topology_devices`).
 
     Returns:
-      ``{"layers", "params", *MEMORY_FIELDS, "total_gib", "hbm_gb", "compile_s"}``: the model's
-      depth and parameter count, the compiled program's memory per chip in GiB (``total_gib``:
-      arguments + outputs - aliased + temporaries + generated code), :func:`hbm_bytes` of its
-      entry computation in GB, and the seconds lowering and compiling took.
+      ``{"layers", "params", *MEMORY_FIELDS, "total_gib", "hbm_gb", "collective_matmul_gb",
+      "compile_s"}``: the model's depth and parameter count, the compiled program's memory per
+      chip in GiB (``total_gib``: arguments + outputs - aliased + temporaries + generated code),
+      :func:`hbm_bytes` of its entry computation in GB and the part of it in windowed einsum
+      loops (:func:`collective_matmul_bytes`), and the seconds lowering and compiling took.
     """
     gin.clear_config()
     try:
@@ -256,11 +294,13 @@ def compile_train_step(files: Sequence[str], bindings: Sequence[str], devices: S
         row["argument_gib"] + row["output_gib"] - row["alias_gib"] + row["temp_gib"]
     ) + row["code_gib"]
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.layout.abstract.params))
+    text = compiled.as_text()
     return {
         "layers": layers,
         "params": params,
         **row,
-        "hbm_gb": hbm_bytes(compiled.as_text())[0] / 1e9,
+        "hbm_gb": hbm_bytes(text)[0] / 1e9,
+        "collective_matmul_gb": collective_matmul_bytes(text) / 1e9,
         "compile_s": seconds,
     }
 

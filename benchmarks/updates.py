@@ -11,7 +11,8 @@ state); ``sonew_tridiag_by_shape`` and ``sonew_tridiag_auto_by_shape``, the XLA 
 rows with ``stack_by_shape=True`` (the parameters of one shape stored and stepped as one stack);
 ``sonew_tridiag_auto_by_shape_e16``, the same with the off-diagonals ``e`` stored in bfloat16
 (4 B/param less traffic, 2 B/param less state); ``_g16`` adds ``stack_dtype=bfloat16`` (the
-stacks' copy of the gradients, and their ``u``, in bfloat16): the trainer's gin file.
+stacks' copy of the gradients, and their ``u``, in bfloat16): the trainer's gin file;
+``sonew_tridiag_auto_e16``, that file's choices per tensor (no stacks to narrow).
 """
 
 from collections.abc import Callable
@@ -45,6 +46,10 @@ SONEW_VARIANTS["sonew_tridiag_auto"] = {"band": 1}
 SONEW_VARIANTS["sonew_tridiag_absolute"] = {"band": 1, "damping": "absolute"}
 SONEW_VARIANTS["sonew_tridiag_by_shape"] = {"band": 1, "stack_by_shape": True, **_XLA}
 SONEW_VARIANTS["sonew_tridiag_auto_by_shape"] = {"band": 1, "stack_by_shape": True}
+SONEW_VARIANTS["sonew_tridiag_auto_e16"] = {
+    **SONEW_VARIANTS["sonew_tridiag_auto"],
+    "offdiag_dtype": jnp.bfloat16,
+}
 SONEW_VARIANTS["sonew_tridiag_auto_by_shape_e16"] = {
     **SONEW_VARIANTS["sonew_tridiag_auto_by_shape"],
     "offdiag_dtype": jnp.bfloat16,

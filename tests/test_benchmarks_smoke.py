@@ -767,6 +767,48 @@ def test_tpu_compile_counts_a_loop_per_trip_and_its_in_place_updates():
         tpu_compile.hbm_bytes(unknown)
 
 
+def test_collective_matmul_bytes_are_the_windowed_einsum_loops_share():
+    """A loop whose body XLA's partitioner named as a windowed einsum's is counted in
+    ``collective_matmul_bytes`` with its trips, also when it runs inside another loop (twice here:
+    2 x 4 trips); the rest of the module is not; ``hbm_bytes`` counts both alike."""
+    page = 8 * 128 * 4
+    plain = _TPU_LOOP_MODULE
+    assert tpu_compile.collective_matmul_bytes(plain) == 0
+    windowed = plain.replace("%body", "%windowed_dot_general_body_rs.7")
+    assert tpu_compile.collective_matmul_bytes(windowed) == 4 * 2 * page
+    assert tpu_compile.hbm_bytes(windowed) == tpu_compile.hbm_bytes(plain)
+    outer = """
+%outer (c: (s32[], f32[4,8,128], f32[4,8,128])) -> (s32[], f32[4,8,128], f32[4,8,128]) {
+  %c = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) parameter(0)
+  %j = s32[]{:S(1)} get-tuple-element(%c), index=0
+  %a = f32[4,8,128]{2,1,0} get-tuple-element(%c), index=1
+  %b = f32[4,8,128]{2,1,0} get-tuple-element(%c), index=2
+  %i0 = s32[]{:S(1)} constant(0)
+  %init = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) tuple(%i0, %a, %b)
+  %w = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) while(%init), condition=%cond, body=%windowed_dot_general_body_rs.7
+  %n = f32[4,8,128]{2,1,0} get-tuple-element(%w), index=1
+  %one = s32[]{:S(1)} constant(1)
+  %next = s32[]{:S(1)} add(%j, %one)
+  ROOT %t = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) tuple(%next, %n, %b)
+}
+
+%cond2 (c: (s32[], f32[4,8,128], f32[4,8,128])) -> pred[] {
+  %c = (s32[]{:S(1)}, f32[4,8,128]{2,1,0}, f32[4,8,128]{2,1,0}) parameter(0)
+  %j = s32[]{:S(1)} get-tuple-element(%c), index=0
+  %n = s32[]{:S(1)} constant(2)
+  ROOT %lt = pred[]{:S(1)} compare(%j, %n), direction=LT
+}
+
+ENTRY"""  # noqa: E501
+    nested = windowed.replace("\nENTRY", outer, 1).replace(
+        "condition=%cond, body=%windowed_dot_general_body_rs.7\n  ROOT",
+        "condition=%cond2, body=%outer\n  ROOT",
+    )
+    assert nested.count("body=%outer") == 1
+    assert tpu_compile.collective_matmul_bytes(nested) == 2 * 4 * 2 * page
+    assert tpu_compile.hbm_bytes(nested)[0] == 2 * 4 * 2 * page
+
+
 def test_byte_counts_read_a_fused_matrix_products_operands_whole():
     """A fusion holding a matrix product reads each element of its operands more than once per
     result element: both counters take its operands whole (a cap at the result's 8 x 4 elements
