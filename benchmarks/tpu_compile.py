@@ -70,7 +70,7 @@ STEP_COLUMNS = (
 )  # fmt: skip
 # The train step's optimizers: gin files and bindings added to the run's config ("config": the
 # run's own; "config_pallas": with the TPU kernels, lowered as Mosaic kernels from this host;
-# "config_per_tensor": without stacking by shape, each tensor's gradients as they come).
+# "config_by_shape": with the parameters stacked by shape, as the optimizer file has it).
 STEP_OPTIMIZERS = {
     "adamw": (("optimizers/adamw.gin",), ()),
     "config": ((), ()),
@@ -83,7 +83,7 @@ STEP_OPTIMIZERS = {
             "KernelConfig.interpret = False",
         ),
     ),
-    "config_per_tensor": ((), ("sonew.stack_by_shape = False", "sonew.stack_dtype = None")),
+    "config_by_shape": ((), ("sonew.stack_by_shape = True", 'sonew.stack_dtype = "bfloat16"')),
 }
 # Bindings every run config leaves required; nothing is written and no step runs.
 STEP_REQUIRED = ('MODEL_DIR = "/unused"', "TRAIN_STEPS = 100000")
