@@ -120,10 +120,16 @@ def collective_matmul_bytes(text: str) -> int:
     """The part of :func:`hbm_bytes` moved inside XLA's windowed einsum loops: the products of a
     model sharded FSDP-style, which an optimizer changes only through the partitioner's and
     fusion passes' choices around the gradients it consumes."""
+    return _step_bytes(text)[1]
+
+
+def _step_bytes(text: str) -> tuple[int, int]:
+    """:func:`hbm_bytes`'s total and :func:`collective_matmul_bytes`, from one walk."""
     computations = common.hlo_computations(text)
+    by_opcode: collections.Counter = collections.Counter()
     windowed: collections.Counter = collections.Counter()
-    _computation_bytes(computations, common.hlo_entry(text), 1, collections.Counter(), windowed)
-    return sum(windowed.values())
+    _computation_bytes(computations, common.hlo_entry(text), 1, by_opcode, windowed)
+    return sum(by_opcode.values()), sum(windowed.values())
 
 
 def _computation_bytes(
@@ -294,13 +300,13 @@ def compile_train_step(files: Sequence[str], bindings: Sequence[str], devices: S
         row["argument_gib"] + row["output_gib"] - row["alias_gib"] + row["temp_gib"]
     ) + row["code_gib"]
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.layout.abstract.params))
-    text = compiled.as_text()
+    moved, windowed = _step_bytes(compiled.as_text())
     return {
         "layers": layers,
         "params": params,
         **row,
-        "hbm_gb": hbm_bytes(text)[0] / 1e9,
-        "collective_matmul_gb": collective_matmul_bytes(text) / 1e9,
+        "hbm_gb": moved / 1e9,
+        "collective_matmul_gb": windowed / 1e9,
         "compile_s": seconds,
     }
 
