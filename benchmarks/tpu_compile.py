@@ -104,9 +104,7 @@ def hbm_bytes(text: str) -> tuple[int, collections.Counter]:
     read at its start and its write at its end, a ``dynamic-update-slice`` (fused or not, which
     XLA runs in the buffer it updates) at the update it reads and writes, and a ``while`` loop's
     body once per trip (:func:`_trips`)."""
-    computations = common.hlo_computations(text)
-    by_opcode: collections.Counter = collections.Counter()
-    _computation_bytes(computations, common.hlo_entry(text), 1, by_opcode)
+    by_opcode, _ = _step_bytes(text)
     return sum(by_opcode.values()), by_opcode
 
 
@@ -120,16 +118,17 @@ def collective_matmul_bytes(text: str) -> int:
     """The part of :func:`hbm_bytes` moved inside XLA's windowed einsum loops: the products of a
     model sharded FSDP-style, which an optimizer changes only through the partitioner's and
     fusion passes' choices around the gradients it consumes."""
-    return _step_bytes(text)[1]
+    return sum(_step_bytes(text)[1].values())
 
 
-def _step_bytes(text: str) -> tuple[int, int]:
-    """:func:`hbm_bytes`'s total and :func:`collective_matmul_bytes`, from one walk."""
+def _step_bytes(text: str) -> tuple[collections.Counter, collections.Counter]:
+    """A compiled module's HBM bytes by opcode (:func:`hbm_bytes`) and, of them, those moved in
+    windowed einsum loops (:func:`collective_matmul_bytes`), from one walk."""
     computations = common.hlo_computations(text)
     by_opcode: collections.Counter = collections.Counter()
     windowed: collections.Counter = collections.Counter()
     _computation_bytes(computations, common.hlo_entry(text), 1, by_opcode, windowed)
-    return sum(by_opcode.values()), sum(windowed.values())
+    return by_opcode, windowed
 
 
 def _computation_bytes(
@@ -300,7 +299,7 @@ def compile_train_step(files: Sequence[str], bindings: Sequence[str], devices: S
         row["argument_gib"] + row["output_gib"] - row["alias_gib"] + row["temp_gib"]
     ) + row["code_gib"]
     params = sum(math.prod(x.shape) for x in jax.tree.leaves(trainer.layout.abstract.params))
-    moved, windowed = _step_bytes(compiled.as_text())
+    moved, windowed = (sum(c.values()) for c in _step_bytes(compiled.as_text()))
     return {
         "layers": layers,
         "params": params,
