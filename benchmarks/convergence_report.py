@@ -331,17 +331,17 @@ def plot(result: dict, path: Path) -> bool:
     times = step_ms(result["runs"], timing_card(result["runs"]))
     for run in runs:
         if run_key(run) in best and run["optimizer"] in times:
-            _plot_run(axes[2], run, True, False, seconds_per_step=times[run["optimizer"]] / 1e3)
+            _plot_run(axes[2], run, True, True, seconds_per_step=times[run["optimizer"]] / 1e3)
     axes[2].set_xlabel("seconds of training steps (median step time x steps)")
-    axes[2].set_title("best runs against training time")
-    axes[2].grid(alpha=0.3)
-    for ax, zoom in zip(axes[:2], (False, True), strict=True):
-        for run in runs:
-            _plot_run(ax, run, run_key(run) in best, zoom)
-        adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
+    axes[2].set_title("second half against training time")
+    adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
+    for ax, zoom in zip(axes, (False, True, True), strict=True):
+        if ax is not axes[2]:
+            for run in runs:
+                _plot_run(ax, run, run_key(run) in best, zoom)
+            ax.set_xlabel("step")
         if adamw is not None:
             ax.axhline(adamw["final_eval_loss"], color="gray", ls=":", lw=1)
-        ax.set_xlabel("step")
         ax.set_ylabel(f"held-out loss (nats/{_unit(result)})")
         ax.grid(alpha=0.3)
         if zoom:
