@@ -2,8 +2,9 @@
 independent references.
 
 Splash attention runs here in Pallas' interpreter (the same kernel code the TPU compiles; its TPU
-lowering is tests/test_tpu_export.py's); cuDNN's kernel needs a GPU (`benchmarks.attention`
-checks it there against the same reference).
+lowering is tests/test_tpu_export.py's); cuDNN's kernel needs a GPU: there `benchmarks.attention`
+checks it against the same reference, and `JAX_PLATFORMS=cuda pytest tests/test_attention.py -k
+training` trains with it.
 """
 
 import dataclasses
@@ -18,6 +19,11 @@ import pytest
 
 from sonew_pax import loop, train
 from sonew_pax.models import Transformer, TransformerConfig, attention, attention_choice, losses
+
+# The backend's fast kernel and the dtype it runs in: cuDNN's on GPUs (bf16 only), splash elsewhere.
+FAST, FAST_DTYPE = (
+    ("cudnn", "bfloat16") if jax.default_backend() == "gpu" else ("splash", "float32")
+)
 
 TINY = TransformerConfig(
     vocab_size=61, d_model=32, num_layers=2, num_heads=4, head_dim=8, mlp_dim=64, max_len=128
@@ -192,10 +198,10 @@ def test_remat_policies_compute_the_same_gradient(scan_layers):
             np.testing.assert_allclose(x, ref, rtol=1e-5, atol=1e-7)
 
 
-def test_training_with_splash_attention_follows_the_reference():
-    """200 AdamW steps of a tiny model on a fixed text-like batch: the losses with splash
-    attention stay within 1% of the reference form's."""
-    config = dataclasses.replace(TINY, max_len=128)
+def test_training_with_the_fast_attention_follows_the_reference():
+    """200 AdamW steps of a tiny model on a fixed text-like batch: the losses with the backend's
+    fast kernel stay within 1% of the reference form's."""
+    config = dataclasses.replace(TINY, max_len=128, dtype=FAST_DTYPE)
     rng = np.random.default_rng(7)
     tokens = jnp.asarray(np.cumsum(rng.integers(1, 4, (2, 129)), axis=1) % config.vocab_size)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((2, 128))}
@@ -222,10 +228,10 @@ def test_training_with_splash_attention_follows_the_reference():
         _, curve = jax.lax.scan(step, (params, tx.init(params)), None, length=200)
         return np.asarray(curve)
 
-    reference, splash = losses_of("xla"), losses_of("splash")
+    reference, fast = losses_of("xla"), losses_of(FAST)
     assert reference[-1] < 0.5 * reference[0]  # it learned
-    np.testing.assert_allclose(splash[-1], reference[-1], rtol=0.01)
-    np.testing.assert_allclose(splash, reference, rtol=0.02)
+    np.testing.assert_allclose(fast[-1], reference[-1], rtol=0.01)
+    np.testing.assert_allclose(fast, reference, rtol=0.02)
 
 
 def test_the_trainer_says_at_start_when_attention_falls_back(caplog):
