@@ -199,19 +199,24 @@ def test_remat_policies_compute_the_same_gradient(scan_layers):
 
 
 def test_training_with_the_fast_attention_follows_the_reference():
-    """200 AdamW steps of a tiny model on a fixed text-like batch: the losses with the backend's
-    fast kernel stay within 1% of the reference form's."""
+    """200 AdamW steps of a tiny model, each on a fresh batch of a text-like source (each token the
+    last plus 1, 2 or 3: log 3 nats of entropy per token), the same batches for both forms: the
+    mean loss of the last 20 steps with the backend's fast kernel is within 1% of the reference
+    form's. Fresh batches keep the loss near the source's entropy, where 1% is a fair margin (a
+    memorised batch's loss falls towards 0, where bf16's rounding alone is more than 1% of it)."""
     config = dataclasses.replace(TINY, max_len=128, dtype=FAST_DTYPE)
-    rng = np.random.default_rng(7)
-    tokens = jnp.asarray(np.cumsum(rng.integers(1, 4, (2, 129)), axis=1) % config.vocab_size)
-    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((2, 128))}
     tx = optax.adamw(3e-3)
+
+    def batch_of(step):
+        key = jax.random.fold_in(jax.random.key(7), step)
+        tokens = jnp.cumsum(jax.random.randint(key, (4, 129), 1, 4), axis=1) % config.vocab_size
+        return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": jnp.ones((4, 128))}
 
     def losses_of(implementation):
         model = Transformer(dataclasses.replace(config, attention=implementation))
-        params = model.init(jax.random.key(8), batch["inputs"])["params"]
+        params = model.init(jax.random.key(8), batch_of(0)["inputs"])["params"]
 
-        def loss_fn(p):
+        def loss_fn(p, batch):
             features, kernel = model.apply({"params": p}, batch["inputs"], fused_head=True)
             loss, count = losses.fused_cross_entropy(
                 features, kernel, batch["targets"], batch["weights"]
@@ -219,19 +224,18 @@ def test_training_with_the_fast_attention_follows_the_reference():
             return loss / count
 
         @jax.jit
-        def step(carry, _):
+        def step(carry, index):
             params, opt_state = carry
-            loss, grads = jax.value_and_grad(loss_fn)(params)
+            loss, grads = jax.value_and_grad(loss_fn)(params, batch_of(index))
             updates, opt_state = tx.update(grads, opt_state, params)
             return (optax.apply_updates(params, updates), opt_state), loss
 
-        _, curve = jax.lax.scan(step, (params, tx.init(params)), None, length=200)
-        return np.asarray(curve)
+        _, curve = jax.lax.scan(step, (params, tx.init(params)), jnp.arange(200))
+        return np.asarray(curve, np.float64)
 
     reference, fast = losses_of("xla"), losses_of(FAST)
-    assert reference[-1] < 0.5 * reference[0]  # it learned
-    np.testing.assert_allclose(fast[-1], reference[-1], rtol=0.01)
-    np.testing.assert_allclose(fast, reference, rtol=0.02)
+    assert reference[-20:].mean() < 0.5 * reference[0]  # it learned
+    np.testing.assert_allclose(fast[-20:].mean(), reference[-20:].mean(), rtol=0.01)
 
 
 def test_the_trainer_says_at_start_when_attention_falls_back(caplog):
