@@ -3,8 +3,8 @@ independent references.
 
 Splash attention runs here in Pallas' interpreter (the same kernel code the TPU compiles; its TPU
 lowering is tests/test_tpu_export.py's); cuDNN's kernel needs a GPU: there `benchmarks.attention`
-checks it against the same reference, and `JAX_PLATFORMS=cuda pytest tests/test_attention.py -k
-training` trains with it.
+checks it against the same reference, and the training comparison below, called on a GPU, trains
+with it (the suite itself runs on simulated CPU devices).
 """
 
 import dataclasses
