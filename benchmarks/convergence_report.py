@@ -334,18 +334,18 @@ def plot(result: dict, path: Path) -> bool:
             _plot_run(axes[2], run, True, True, seconds_per_step=times[run["optimizer"]] / 1e3)
     axes[2].set_xlabel("seconds of training steps (median step time x steps)")
     axes[2].set_title("second half against training time")
+    for ax, zoom in zip(axes[:2], (False, True), strict=True):
+        for run in runs:
+            _plot_run(ax, run, run_key(run) in best, zoom)
+        ax.set_xlabel("step")
     adamw = next((r for r in result["rows"] if r["optimizer"] == BASELINE), None)
-    for ax, zoom in zip(axes, (False, True, True), strict=True):
-        if ax is not axes[2]:
-            for run in runs:
-                _plot_run(ax, run, run_key(run) in best, zoom)
-            ax.set_xlabel("step")
+    for ax in axes:
         if adamw is not None:
             ax.axhline(adamw["final_eval_loss"], color="gray", ls=":", lw=1)
         ax.set_ylabel(f"held-out loss (nats/{_unit(result)})")
         ax.grid(alpha=0.3)
-        if zoom:
-            _zoom(ax, runs, best)
+    for ax in axes[1:]:  # the second halves
+        _zoom(ax, runs, best)
     if axes[0].get_legend_handles_labels()[0]:  # none before a setting has run every seed
         axes[0].legend(fontsize=8)
     axes[0].set_title("eval loss (best run per optimizer bold, sweep faint)")
