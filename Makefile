@@ -11,11 +11,9 @@ STAMP  := $(VENV)/.installed
 # its old pins, conflicts: harmless, as in the main venv).
 SEQIO_VENV  := .venv-seqio
 SEQIO_STAMP := $(SEQIO_VENV)/.installed
-# A command prefix for the seqio install (`make test` sets it to a low priority).
-SEQIO_NICE  ?=
 # Free space (KiB) `make test` wants before it builds that venv: pip's install peaks at about 3.1 GB
-# (TensorFlow unpacked beside its wheel), plus room for the suite's files. With less, `make test`
-# says so and runs the main suite without the seqio test, rather than fail half-way through pip.
+# (TensorFlow unpacked beside its wheel). With less, `make test` says so and leaves the seqio test
+# out, rather than fail half-way through pip after the suite has passed.
 SEQIO_FREE_KB := 3670016
 DEMO_DIR ?= $(CURDIR)/runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
@@ -39,24 +37,23 @@ $(SEQIO_STAMP): $(STAMP) pyproject.toml Makefile
 	  open(sysconfig.get_paths()["purelib"] + "/_main_venv.pth", "w").write( \
 	    f"import site; site.addsitedir({sys.argv[1]!r})\n")' \
 	  "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-	$(SEQIO_NICE) $(PIP) --python $(SEQIO_VENV)/bin/python install -q -e '.[seqio]'
+	$(PIP) --python $(SEQIO_VENV)/bin/python install -q -e '.[seqio]'
 	touch $(SEQIO_STAMP)
 
 demo: setup
 	$(PY) -m sonew_pax.demo --model_dir=$(DEMO_DIR)
 
-# The seqio venv is built while the suite runs (make's jobs: an interrupt stops both), at the
-# lowest CPU priority: pip takes the cores while the suite's two workers wait on subprocesses and
-# files, instead of slowing them, and it still ends before they do.
+# The suite, then the seqio venv and its test. Built beside the suite (make -j2, pip at the lowest
+# CPU priority), pip's writing of TensorFlow slowed the suite by more than the build takes.
 test: setup
 	$(VENV)/bin/ruff check .
+	$(MAKE) test-main
 	@free=$$(df -Pk . | awk 'NR == 2 {print $$4}'); \
 	if [ -f $(SEQIO_STAMP) ] || [ "$$free" -ge $(SEQIO_FREE_KB) ]; then \
-	  $(MAKE) -j2 test-main setup-seqio SEQIO_NICE="nice -n 19" && $(MAKE) test-seqio; \
+	  $(MAKE) test-seqio; \
 	else \
 	  echo "make test: NOT running the [seqio] extra's test: $$((free / 1024)) MiB free here," \
 	    "its venv (TensorFlow) needs $$(($(SEQIO_FREE_KB) / 1024)) MiB while pip installs it"; \
-	  $(MAKE) test-main; \
 	fi
 
 test-main: setup
