@@ -45,6 +45,8 @@ Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` 
 seed; ``--merge A.json B.json`` merges results of other seeds or settings; ``--processes N`` runs
 the sweep in N processes, one per GPU (``--shard k/N`` each), and merges their runs;
 ``--deadline_s S`` starts no run that would end past S seconds (a machine's time limit);
+``--compilation_cache DIR`` keeps the compiled init, step and evaluation of each optimizer in
+JAX's persistent cache, so that a later sweep on the same machine skips their compiles;
 ``--plot_only`` redraws the PNG and markdown from an existing JSON.
 """
 
@@ -70,7 +72,7 @@ from benchmarks.convergence_report import BASELINE, CANDIDATE, OPTIMIZERS
 from sonew_pax import data, metrics, optim, optimizers, partitioning, train_state
 from sonew_pax.models import Transformer, count_params
 from sonew_pax.optim.config import DAMPINGS
-from sonew_pax.trainer import Trainer
+from sonew_pax.trainer import CacheHits, Trainer, persistent_compilation_cache
 
 SOURCES = ("shakespeare", "shakespeare+kjv", "python_code")
 LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (benchmarks/README.md)
@@ -287,9 +289,10 @@ def train_run(
     """
     steps, label = len(train), report.run_name(name, lr, eps, seed)
     start = time.perf_counter()
-    state = set_hyperparams(trainer.init_state(seed), peak=lr, eps=eps)
+    state = jax.block_until_ready(set_hyperparams(trainer.init_state(seed), peak=lr, eps=eps))
+    init_s = time.perf_counter() - start  # the initialiser's compile and run
     initial = trainer.evaluate(state.params, held_out)["eval_loss"]
-    first_eval_s = time.perf_counter() - start  # the state's init and the evaluation's compile
+    first_eval_s = time.perf_counter() - start  # and the evaluation's compile and run
     curve = {"step": [0], "eval_loss": [_finite_or_none(initial)], "train_loss": [None]}
     losses, diverged, eval_seconds = [], False, 0.0
     for step in range(1, steps + 1):
@@ -331,6 +334,7 @@ def train_run(
         "seconds": seconds,
         "first_step_s": first_step_s,
         "first_eval_s": first_eval_s,
+        "init_s": init_s,
         "ms_per_step": ms,
         "curve": curve,
     }
@@ -518,6 +522,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "many seconds from the sweep's start, data loading included (a machine's time limit: a "
         "run cut short is lost)",
     )
+    p.add_argument(
+        "--compilation_cache",
+        help="JAX's persistent compilation cache directory: a later sweep on the same machine "
+        "loads the programs an earlier one compiled (init, step and evaluation of each optimizer)",
+    )
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results into --out")
     return p.parse_args(argv)
 
@@ -535,10 +544,11 @@ def main(argv=None) -> dict:
         report.write_outputs(result, args.out)
         print(common.format_table(result["rows"], report.ROW_COLUMNS), flush=True)
         return result
+    start = time.perf_counter()  # --deadline_s counts from here
     config = model_config(args)
     tokenizer = tokenizer_name(args, config.vocab_size)  # not per run: see model_config
+    tokenizer_s = time.perf_counter() - start
     mesh = partitioning.make_mesh(data=1, model=1, devices=jax.devices()[:1])
-    start = time.perf_counter()
     trainers = {name: build_trainer(name, config, mesh, args) for name in OPTIMIZERS}
     place = trainers[BASELINE].global_batch  # every trainer's batches are laid out alike
     train, held_out = {}, None
@@ -550,15 +560,46 @@ def main(argv=None) -> dict:
     params = count_params(trainers[BASELINE].layout.abstract.params)
     print(
         f"{args.model}: {params:,} params; {args.steps} steps x {args.batch_size}x{args.seq_len}; "
-        f"held-out {eval_tokens:,} tokens; data ready in {time.perf_counter() - start:.1f}s",
+        f"held-out {eval_tokens:,} tokens; data ready in {time.perf_counter() - start:.1f}s "
+        f"(the tokenizer in {tokenizer_s:.1f}s)",
         flush=True,
     )
-    runs, result = [], None
     settings = run_order(learning_rates(args), {CANDIDATE: args.sonew_eps})
     order = [(*setting, seed) for setting in settings for seed in args.seeds]
     if args.shard is not None:
         k, n = args.shard
         order = order[k::n]
+
+    def save(runs: list[dict]) -> dict:
+        result = build_result(runs, args, params, tokenizer, eval_tokens)
+        report.write_outputs(result, args.out)
+        return result
+
+    with persistent_compilation_cache(args.compilation_cache):
+        runs = sweep(order, trainers, train, held_out, args, start, save)
+    if not runs:
+        print("no run finished: nothing written", flush=True)
+        return {}
+    result = save(runs)
+    print(common.format_table(result["rows"], report.ROW_COLUMNS), flush=True)
+    print(f"total {time.perf_counter() - start:.1f}s; wrote {args.out}", flush=True)
+    return result
+
+
+def sweep(
+    order: list[tuple[str, float, float | None, int]],
+    trainers: dict[str, Trainer],
+    train: dict[int, list[dict]],
+    held_out: list[dict],
+    args: argparse.Namespace,
+    start: float,
+    save: Callable[[list[dict]], Any],
+) -> list[dict]:
+    """Trains the (optimizer, lr, eps, seed) runs of ``order`` one after another, calling
+    ``save`` with the runs so far after each, until the next would end past ``--deadline_s``
+    from ``start``; returns the finished runs, each with ``cache_hits``, the executables it
+    loaded from the persistent compilation cache (``--compilation_cache``)."""
+    runs = []
     for name, lr, eps, seed in order:
         label = report.run_name(name, lr, eps, seed)
         expected = expected_seconds(runs, name)
@@ -568,22 +609,21 @@ def main(argv=None) -> dict:
                   "--deadline_s are left", flush=True)  # fmt: skip
             break
         print(f"{label} (run {len(runs) + 1}/{len(order)})", flush=True)
-        run = train_run(trainers[name], name, lr, train[seed], held_out, args.eval_every, eps, seed)
+        with CacheHits() as hits:
+            run = train_run(
+                trainers[name], name, lr, train[seed], held_out, args.eval_every, eps, seed
+            )
+        run["cache_hits"] = hits.count
         print(
-            f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s "
-            f"(first step {run['first_step_s']:.1f}s, of it init and first evaluation "
-            f"{run['first_eval_s']:.1f}s; {run['ms_per_step']:.1f} ms/step)",
+            f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s (first step "
+            f"{run['first_step_s']:.1f}s: init {run['init_s']:.1f}s, first evaluation "
+            f"{run['first_eval_s'] - run['init_s']:.1f}s, {hits.count} programs from the "
+            f"compilation cache; {run['ms_per_step']:.1f} ms/step)",
             flush=True,
         )
         runs.append(run)
-        result = build_result(runs, args, params, tokenizer, eval_tokens)
-        report.write_outputs(result, args.out)
-    if result is None:
-        print("no run finished: nothing written", flush=True)
-        return {}
-    print(common.format_table(result["rows"], report.ROW_COLUMNS), flush=True)
-    print(f"total {time.perf_counter() - start:.1f}s; wrote {args.out}", flush=True)
-    return result
+        save(runs)
+    return runs
 
 
 if __name__ == "__main__":

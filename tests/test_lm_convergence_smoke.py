@@ -375,6 +375,26 @@ def test_deadline_stops_before_a_run_that_would_end_past_it(tmp_path, capsys):
     assert "stopping before adamw" in capsys.readouterr().out
 
 
+def test_compilation_cache_serves_a_later_sweep(tmp_path):
+    """The first sweep compiles and writes the cache; a second process's sweep (new trainers,
+    as a later call on the same machine) loads its init, step and evaluation from it and
+    trains the same run."""
+    lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_muon", "", "--lrs_sonew", ""]
+    argv = [*ARGV, *lrs, "--steps", "3", "--compilation_cache", str(tmp_path / "cache")]
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # tiny programs too
+    try:
+        cold, warm = (
+            lm_convergence.main([*argv, "--out", str(tmp_path / f"{name}.json")])["runs"][0]
+            for name in ("cold", "warm")
+        )
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+    assert cold["cache_hits"] == 0 and warm["cache_hits"] >= 3
+    assert warm["curve"] == cold["curve"]
+    assert jax.config.jax_compilation_cache_dir is None  # the process's own setting again
+
+
 def test_sonew_stack_by_shape_flag_is_the_trainers_stacking():
     default = lm_convergence.hyperparameters_of(lm_convergence.parse_args([]))["sonew_tridiag"]
     assert "stack_by_shape" not in default  # the library's: earlier results keep merging
