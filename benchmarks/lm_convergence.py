@@ -576,11 +576,10 @@ def main(argv=None) -> dict:
         return result
 
     with persistent_compilation_cache(args.compilation_cache):
-        runs = sweep(order, trainers, train, held_out, args, start, save)
-    if not runs:
+        result = sweep(order, trainers, train, held_out, args, start, save)
+    if result is None:
         print("no run finished: nothing written", flush=True)
         return {}
-    result = save(runs)
     print(common.format_table(result["rows"], report.ROW_COLUMNS), flush=True)
     print(f"total {time.perf_counter() - start:.1f}s; wrote {args.out}", flush=True)
     return result
@@ -593,13 +592,13 @@ def sweep(
     held_out: list[dict],
     args: argparse.Namespace,
     start: float,
-    save: Callable[[list[dict]], Any],
-) -> list[dict]:
+    save: Callable[[list[dict]], dict],
+) -> dict | None:
     """Trains the (optimizer, lr, eps, seed) runs of ``order`` one after another, calling
-    ``save`` with the runs so far after each, until the next would end past ``--deadline_s``
-    from ``start``; returns the finished runs, each with ``cache_hits``, the executables it
-    loaded from the persistent compilation cache (``--compilation_cache``)."""
-    runs = []
+    ``save`` with the runs so far after each (each run with ``cache_hits``, the executables it
+    loaded from the persistent compilation cache), until the next would end past
+    ``--deadline_s`` from ``start``; returns what the last ``save`` returned (None: no run)."""
+    runs, result = [], None
     for name, lr, eps, seed in order:
         label = report.run_name(name, lr, eps, seed)
         expected = expected_seconds(runs, name)
@@ -617,13 +616,13 @@ def sweep(
         print(
             f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s (first step "
             f"{run['first_step_s']:.1f}s: init {run['init_s']:.1f}s, first evaluation "
-            f"{run['first_eval_s'] - run['init_s']:.1f}s, {hits.count} programs from the "
+            f"{run['first_eval_s'] - run['init_s']:.1f}s, {run['cache_hits']} programs from the "
             f"compilation cache; {run['ms_per_step']:.1f} ms/step)",
             flush=True,
         )
         runs.append(run)
-        save(runs)
-    return runs
+        result = save(runs)
+    return result
 
 
 if __name__ == "__main__":

@@ -376,9 +376,9 @@ def test_deadline_stops_before_a_run_that_would_end_past_it(tmp_path, capsys):
 
 
 def test_compilation_cache_serves_a_later_sweep(tmp_path):
-    """The first sweep compiles and writes the cache; a second process's sweep (new trainers,
-    as a later call on the same machine) loads its init, step and evaluation from it and
-    trains the same run."""
+    """The first sweep compiles and writes the cache; a second sweep with new trainers (as a
+    later process on the same machine builds them) loads its init, step and evaluation from it
+    and trains the same run."""
     lrs = ["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_muon", "", "--lrs_sonew", ""]
     argv = [*ARGV, *lrs, "--steps", "3", "--compilation_cache", str(tmp_path / "cache")]
     min_time = jax.config.jax_persistent_cache_min_compile_time_secs
