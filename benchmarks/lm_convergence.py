@@ -44,6 +44,7 @@ Usage: ``python -m benchmarks.lm_convergence`` (GPU defaults); ``--model tiny`` 
 --sonew_eps 1e-10,1e-9,1e-8`` the absolute one; ``--seeds 0,1,2`` runs every setting from each
 seed; ``--merge A.json B.json`` merges results of other seeds or settings; ``--processes N`` runs
 the sweep in N processes, one per GPU (``--shard k/N`` each), and merges their runs;
+``--runs adamw:5e-4:1,sonew:1e-3:0`` runs exactly those settings (a table's missing runs);
 ``--deadline_s S`` starts no run that would end past S seconds (a machine's time limit);
 ``--compilation_cache DIR`` keeps the compiled init, step and evaluation of each optimizer in
 JAX's persistent cache, so that a later sweep on the same machine skips their compiles;
@@ -375,6 +376,17 @@ def expected_seconds(runs: list[dict], name: str) -> float | None:
     return max(same or [run["seconds"] for run in runs], default=None)
 
 
+def sweep_order(args: argparse.Namespace) -> list[tuple[str, float, float | None, int]]:
+    """The sweep's (optimizer, lr, eps, seed) runs: ``--runs`` in its order (SONew's at each
+    ``--sonew_eps``), else every setting of `run_order` from each of ``--seeds``."""
+    eps = {CANDIDATE: args.sonew_eps}
+    if args.runs:
+        return [(name, lr, e, seed) for name, lr, seed in args.runs for e in eps.get(name, [None])]
+    return [
+        (*setting, seed) for setting in run_order(learning_rates(args), eps) for seed in args.seeds
+    ]
+
+
 def learning_rates(args: argparse.Namespace) -> dict[str, list[float]]:
     """Each optimizer's peak learning rates (``--lrs_<name>``)."""
     return {name: getattr(args, f"lrs_{name}") for name in OPTIMIZERS}
@@ -440,6 +452,28 @@ def _distinct(convert: Callable[[str], Any]) -> Callable[[str], list]:
         return values
 
     return parse
+
+
+def _runs(text: str) -> list[tuple[str, float, int]]:
+    """``--runs``: a non-empty comma list of distinct ``OPTIMIZER:LR:SEED`` settings as
+    (optimizer, lr, seed); ``sonew`` names SONew, as in ``--lrs_sonew``."""
+    names = {("sonew" if name == CANDIDATE else name): name for name in OPTIMIZERS}
+    runs = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, *values = item.split(":")
+        try:
+            lr, seed = float(values[0]), int(values[1])
+            if name not in names or len(values) != 2 or not lr > 0 or seed < 0:
+                raise ValueError
+        except (ValueError, IndexError):
+            raise argparse.ArgumentTypeError(
+                f"expected OPTIMIZER:LR:SEED (OPTIMIZER one of {', '.join(names)}, LR > 0, "
+                f"SEED >= 0), got {item!r}"
+            ) from None
+        runs.append((names[name], lr, seed))
+    if not runs or len(set(runs)) != len(runs):
+        raise argparse.ArgumentTypeError(f"expected distinct settings, got {text!r}")
+    return runs
 
 
 def _vocab_size(text: str) -> int:
@@ -528,7 +562,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "loads the programs an earlier one compiled (init, step and evaluation of each optimizer)",
     )
     p.add_argument("--merge", nargs="+", metavar="JSON", help="merge these results into --out")
-    return p.parse_args(argv)
+    p.add_argument(
+        "--runs",
+        type=_runs,
+        help="comma-separated OPTIMIZER:LR:SEED: exactly these runs, in this order, instead of "
+        "the --lrs_* grids from each of --seeds (a table's missing runs, the best rate's second "
+        "seed), e.g. sonew:1e-3:0,adamw:5e-4:1",
+    )
+    args = p.parse_args(argv)
+    if args.runs:  # the grids and seeds the results record are those of the runs
+        for name in OPTIMIZERS:
+            lrs = (lr for optimizer, lr, _ in args.runs if optimizer == name)
+            setattr(args, f"lrs_{name}", list(dict.fromkeys(lrs)))
+        args.seeds = list(dict.fromkeys(seed for *_, seed in args.runs))
+    return args
 
 
 def main(argv=None) -> dict:
@@ -564,8 +611,7 @@ def main(argv=None) -> dict:
         f"(the tokenizer in {tokenizer_s:.1f}s)",
         flush=True,
     )
-    settings = run_order(learning_rates(args), {CANDIDATE: args.sonew_eps})
-    order = [(*setting, seed) for setting in settings for seed in args.seeds]
+    order = sweep_order(args)
     if args.shard is not None:
         k, n = args.shard
         order = order[k::n]

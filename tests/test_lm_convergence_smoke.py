@@ -365,6 +365,35 @@ def test_expected_seconds_is_the_optimizers_longest_run_else_any():
     assert lm_convergence.expected_seconds(runs, "sonew_tridiag") == 12.0  # none of its own yet
 
 
+def test_runs_flag_is_exactly_those_runs_and_their_grid():
+    """``--runs`` replaces the grids and seeds: its settings in its order (SONew's at each eps),
+    and the lrs and seeds the results record are the runs' own."""
+    args = lm_convergence.parse_args(
+        ["--runs", "sonew:1e-3:0, adamw:5e-4:1,adamw:2.5e-4:0", "--sonew_eps", "1e-8,1e-5",
+         "--lrs_muon", "1e-3", "--seeds", "3"]
+    )  # fmt: skip
+    sonew = lm_convergence.CANDIDATE
+    assert lm_convergence.sweep_order(args) == [
+        (sonew, 1e-3, 1e-8, 0), (sonew, 1e-3, 1e-5, 0), ("adamw", 5e-4, None, 1),
+        ("adamw", 2.5e-4, None, 0),
+    ]  # fmt: skip
+    assert lm_convergence.learning_rates(args) == {
+        "adamw": [5e-4, 2.5e-4],
+        "adafactor": [],
+        "muon": [],
+        sonew: [1e-3],
+    }
+    assert args.seeds == [0, 1]
+    grid = lm_convergence.parse_args(["--lrs_adamw", "1e-3", "--lrs_adafactor", "", "--lrs_muon",
+                                      "", "--lrs_sonew", "", "--seeds", "0,1"])  # fmt: skip
+    assert lm_convergence.sweep_order(grid) == [("adamw", 1e-3, None, 0), ("adamw", 1e-3, None, 1)]
+    bad = ("", "adamw:5e-4", "adamw:5e-4:0:1", "lion:1e-3:0", "adamw:0:0", "adamw:1e-3:-1",
+           "adamw:x:0", "adamw:1e-3:0,adamw:1e-3:0", "sonew_tridiag:1e-3:0")  # fmt: skip
+    for text in bad:
+        with pytest.raises(SystemExit):
+            lm_convergence.parse_args(["--runs", text])
+
+
 def test_deadline_stops_before_a_run_that_would_end_past_it(tmp_path, capsys):
     """The first run always starts; the second would end past the deadline, so the sweep stops
     and keeps the first."""
