@@ -451,10 +451,10 @@ def _eps_grid(runs: list[dict]) -> str:
 def merge_results(results: list[dict]) -> dict:
     """One result from several runs of `lm_convergence` with the same protocol: the shards of one
     sweep (``--processes``), other seeds of it, or more learning rates or eps values. Its grids
-    and seeds are the unions; settings are compared on the seeds all of them have run and
-    reported over all the seeds each has (`summary_rows`). Raises ValueError when a setting in
-    ``SAME_CONFIG`` or an optimizer's hyperparameters (SONew's eps grid aside) differ, or a
-    setting ran twice from one seed."""
+    and seeds are the unions of those that ran; settings are compared on the seeds all of them
+    have run and reported over all the seeds each has (`summary_rows`). Raises ValueError when
+    a setting in ``SAME_CONFIG`` or an optimizer's hyperparameters (SONew's eps grid aside)
+    differ, or a setting ran twice from one seed."""
     first = results[0]["config"]
     for result in results[1:]:
         config = result["config"]
@@ -474,6 +474,7 @@ def merge_results(results: list[dict]) -> dict:
             {**run, "seed": run.get("seed", own[0]), "device": run.get("device", result["device"])}
             for run in result["runs"]
         ]
+    seeds = [s for s in seeds if any(run["seed"] == s for run in runs)]  # a cut sweep lists more
     keys = [(*run_key(run), run["seed"]) for run in runs]
     if len(set(keys)) != len(keys):
         raise ValueError("cannot merge: a setting ran twice from one seed")

@@ -268,6 +268,7 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
     wider["config"]["learning_rates"]["adamw"] = [4.0, 8.0]  # 8.0 never ran (a shard cut short)
     for run in wider["runs"]:
         del run["seed"]  # older results: the config's seed
+    best_again["config"]["seeds"] = [1, 2]  # seed 2 never ran (a sweep cut by its deadline)
     merged = convergence_report.merge_results([sweep, best_again, wider])
     assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
     assert {run["device"] for run in merged["runs"]} == {"cpu"}  # each run names its card
