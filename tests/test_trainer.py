@@ -9,12 +9,14 @@ import logging
 import re
 import shutil
 
+import flax.linen as nn
 import gin
 import jax
 import numpy as np
+import optax
 import pytest
 
-from sonew_pax import demo, loop, models, optimizers, partitioning, train, trainer
+from sonew_pax import demo, loop, models, optimizers, partitioning, train, train_state, trainer
 from tests.conftest import jax_config
 from tests.test_trainer_configs import statistics
 
@@ -235,6 +237,46 @@ def test_compiled_shardings_match_the_derived_specs(tmp_path):
                 assert _is_sharded(o_sharding), (opt_path, o_sharding)
                 checked += 1
     assert checked >= 3 * sum(_is_sharded(s) for s in param_shardings)  # m, d and e per param
+
+
+def test_init_shares_its_parameter_draws_across_optimizers(tmp_path, caplog):
+    """`Trainer.init_state` equals the one jitted init it replaced, bit for bit and shard for
+    shard, and its parameters' draws are a program of their own: a trainer of the same model
+    with another optimizer loads them from the persistent compilation cache."""
+    configure(tmp_path)
+    model = models.Transformer(gin.query_parameter("train.model_config").scoped_configurable_fn())
+    mesh, rules = partitioning.make_mesh(), partitioning.logical_axis_rules()
+
+    def build(optimizer):
+        schedule = optimizers.learning_rate_schedule()
+        return trainer.Trainer(model, optimizer, schedule, mesh, rules, (8, 16), seed=0)
+
+    states = []
+    with (
+        jax_config("jax_persistent_cache_min_compile_time_secs", 0),
+        trainer.persistent_compilation_cache(str(tmp_path / "cache")),
+        caplog.at_level(logging.DEBUG, logger="jax._src.compiler"),
+    ):
+        for optimizer in (optimizers.make_optimizer, lambda schedule, **_: optax.adamw(schedule)):
+            caplog.clear()
+            step_fns = build(optimizer)
+            states.append(step_fns.init_state(3))
+            hits = [r.getMessage() for r in caplog.records if "cache hit" in r.getMessage()]
+    assert any("'jit_init_params'" in hit for hit in hits), hits  # the second optimizer's
+
+    def single_program(rng):  # the parameters and the optimizer's state in one jitted init
+        params = nn.unbox(train_state._init_params(model, rng, step_fns.example))
+        return train_state.new_state(params, step_fns.tx)
+
+    with partitioning.axis_rules_context(mesh, rules):
+        init = jax.jit(single_program, out_shardings=step_fns.layout.shardings)
+        expected = init(jax.random.key(3))
+    for got, want in zip(jax.tree.leaves(states[1]), jax.tree.leaves(expected), strict=True):
+        assert got.sharding == want.sharding and np.array_equal(got, want)
+    for a, b in zip(
+        jax.tree.leaves(states[0].params), jax.tree.leaves(expected.params), strict=True
+    ):
+        assert np.array_equal(a, b)  # the same draws whatever the optimizer
 
 
 def test_profile_window_writes_a_trace(tmp_path):
