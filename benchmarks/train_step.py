@@ -7,8 +7,9 @@ optimizer through `sonew_pax.optimizers.make_optimizer` (global-norm clipping, t
 as in training; weight decay 0.1 on matrices; constant learning rate), and the jitted,
 state-donating train step (forward, backward, update; ``--concurrent``: compiled with
 ``kernels.CONCURRENT_OPTIONS``, SONew with ``KernelConfig(concurrent=True)``). Batches are random
-tokens, fixed across steps. After ``--warmup`` untimed steps each of ``--iters`` steps is timed to
-``block_until_ready``; the median is reported. Then ``--iters`` steps run back to back, waited
+tokens, fixed across steps (``--tokens zipf``: with text's frequencies). After ``--warmup``
+untimed steps each of ``--iters`` steps is timed to ``block_until_ready``; the median is
+reported. Then ``--iters`` steps run back to back, waited
 on once (``pipelined_ms``, their mean: the host dispatches each step while the device still runs
 the last, as ``Trainer.train`` does). Then ``--iters`` steps each waited on before the next are
 timed to their return (``dispatch_ms``, the median: the host's cost of a step, which bounds a
@@ -120,10 +121,25 @@ def optimizer_factory(name: str, unsharded: bool, kernel_config=None):
     return functools.partial(optimizers.make_optimizer, factory=factory, clip_norm=1.0)
 
 
-def random_batch(vocab: int, batch_size: int, seq_len: int) -> dict[str, np.ndarray]:
-    """Random token ids (inputs, targets) and unit weights."""
+TOKENS = ("uniform", "zipf")
+
+
+def random_batch(
+    vocab: int, batch_size: int, seq_len: int, tokens: str = "uniform"
+) -> dict[str, np.ndarray]:
+    """Random token ids (inputs, targets) and unit weights. ``tokens="uniform"`` draws every id
+    alike; ``"zipf"`` draws id ``k`` with probability proportional to ``1 / (k + 1)``, the rank
+    law of text's pieces (the commonest about 9% of a 32k vocabulary's tokens), so the steps that
+    depend on the ids, like the embedding gradient's scatter-add, see text's repeats."""
     rng = np.random.default_rng(0)
-    tokens = rng.integers(0, vocab, (batch_size, seq_len + 1), dtype=np.int32)
+    shape = (batch_size, seq_len + 1)
+    if tokens == "uniform":
+        tokens = rng.integers(0, vocab, shape, dtype=np.int32)
+    elif tokens == "zipf":
+        weights = 1.0 / np.arange(1, vocab + 1)
+        tokens = rng.choice(vocab, size=shape, p=weights / weights.sum()).astype(np.int32)
+    else:
+        raise ValueError(f"tokens must be one of {TOKENS}, got {tokens!r}")
     weights = np.ones((batch_size, seq_len), np.float32)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "weights": weights}
 
@@ -168,7 +184,8 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
     )
     with partitioning.axis_rules_context(mesh, rules):
         state = trainer.init_state(0)
-        batch = trainer.global_batch(random_batch(config.vocab_size, args.batch_size, args.seq_len))
+        tokens = random_batch(config.vocab_size, args.batch_size, args.seq_len, args.tokens)
+        batch = trainer.global_batch(tokens)
         with common.compile_seconds() as first_compile:
             start = time.perf_counter()
             carry = jax.block_until_ready(trainer.train_step(state, batch))
@@ -252,7 +269,7 @@ def child_argv(name: str, args: argparse.Namespace, row_out: Path) -> list[str]:
         "--mesh_model",
         str(args.mesh_model),
     ]
-    for flag in ("dtype", "layers", "attention", "remat"):
+    for flag in ("dtype", "layers", "attention", "remat", "tokens"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag}", str(getattr(args, flag))]
     if args.unsharded_optimizer:
@@ -316,6 +333,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         choices=tuple(REMAT_POLICIES),
         help="override TransformerConfig.remat (default: the model config's, none)",
     )
+    p.add_argument(
+        "--tokens",
+        choices=TOKENS,
+        default="uniform",
+        help="the batch's ids: uniform, or zipf (text's frequencies: repeated ids)",
+    )
     p.add_argument("--mesh_data", type=int, default=1, help="data-axis size of the mesh")
     p.add_argument("--mesh_model", type=int, default=1, help="model-axis size of the mesh")
     common.add_timing_args(p, warmup=3, iters=20)
@@ -363,6 +386,7 @@ def build_result(rows: list[dict], args: argparse.Namespace) -> dict:
             "scan_layers": args.scan_layers,
             "attention": args.attention,
             "remat": args.remat,
+            "tokens": args.tokens,
             "batch_size": args.batch_size,
             "seq_len": args.seq_len,
             "mesh_data": args.mesh_data,

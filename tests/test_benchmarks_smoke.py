@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from benchmarks import (
@@ -270,6 +271,8 @@ def test_train_step_child_argv_round_trips(tmp_path):
             "xla",
             "--remat",
             "dots",
+            "--tokens",
+            "zipf",
         ]
     )
     argv = train_step.child_argv("adamw", args, tmp_path / "r.json")
@@ -291,8 +294,23 @@ def test_train_step_child_argv_round_trips(tmp_path):
         "concurrent",
         "attention",
         "remat",
+        "tokens",
     ):
         assert getattr(child, name) == getattr(args, name)
+
+
+def test_train_step_zipf_tokens_repeat_as_text_does():
+    """``--tokens zipf``: ids in the vocabulary, the commonest about 1 / H(V) of them (9.5% of a
+    32k vocabulary; uniform ids repeat about once per V / n), both from the fixed seed."""
+    zipf, uniform = (train_step.random_batch(32000, 16, 1024, t) for t in ("zipf", "uniform"))
+    top = np.unique(zipf["inputs"], return_counts=True)[1].max() / zipf["inputs"].size
+    harmonic = np.sum(1.0 / np.arange(1, 32001))
+    assert abs(top - 1 / harmonic) < 0.01 and zipf["inputs"].min() >= 0
+    assert zipf["inputs"].max() < 32000 and zipf["inputs"].dtype == uniform["inputs"].dtype
+    assert np.unique(uniform["inputs"], return_counts=True)[1].max() < 10
+    assert (zipf["targets"][:, :-1] == zipf["inputs"][:, 1:]).all()
+    with pytest.raises(ValueError, match="tokens must be one of"):
+        train_step.random_batch(10, 1, 2, "text")
 
 
 def test_attention_schema_and_equality(tmp_path):
