@@ -9,6 +9,7 @@ draws, then the optimizer's state around them) whose ``out_shardings`` are those
 is ever materialised whole on one device.
 """
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -98,6 +99,26 @@ def derive_layout(
     return StateLayout(abstract=abstract, specs=specs, shardings=shardings)
 
 
+@contextlib.contextmanager
+def threefry_gpu_kernels():
+    """Within the block, JAX lowers each threefry draw on a GPU to its CUDA kernel instead of
+    XLA's element-wise form (``jax_threefry_gpu_kernel_lowering``; the same bits; no effect on
+    other platforms); the process's setting again after it.
+
+    XLA fuses the element-wise draws of one program into ever larger kernels and compiles them
+    in time that grows faster than their number: a model's initialiser compiles about ten times
+    faster with the kernels (docs/performance.md). What it trades: XLA cannot split the kernel's
+    custom call, so on a mesh of several GPUs each draws a sharded parameter's bits whole before
+    keeping its shard.
+    """
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+
+
 def make_init_fn(
     model: nn.Module,
     tx: optax.GradientTransformation,
@@ -106,13 +127,11 @@ def make_init_fn(
 ) -> Callable[[jax.Array], TrainState]:
     """A ``rng -> TrainState`` that writes every array directly into its shard.
 
-    Two jitted programs: the parameters' random draws, which depend on the model and its
-    shardings alone, then the step-0 state around them (the optimizer's initial state; the
-    parameters donated, so none is copied). The draws are the larger compile by far (XLA fuses
-    the same-shaped draws of all layers), and as their own program they compile once for every
-    optimizer of one model: trainers of one model with different optimizers load it from the
-    persistent compilation cache (a sweep over optimizers), and the optimizer's own program,
-    mostly zeros, compiles in a fraction of the time.
+    Two jitted programs: the parameters' random draws (`threefry_gpu_kernels`), which depend on
+    the model and its shardings alone, then the step-0 state around them (the optimizer's
+    initial state; the parameters donated, so none is copied). As their own program the draws
+    compile once for every optimizer of one model: trainers of one model with different
+    optimizers load them from the persistent compilation cache (a sweep over optimizers).
     """
 
     def init_params(rng: jax.Array) -> PyTree:
@@ -122,7 +141,13 @@ def make_init_fn(
     wrap = jax.jit(
         functools.partial(new_state, tx=tx), out_shardings=layout.shardings, donate_argnums=0
     )
-    return lambda rng: wrap(draw(rng))
+
+    def init(rng: jax.Array) -> TrainState:
+        with threefry_gpu_kernels():
+            params = draw(rng)
+        return wrap(params)
+
+    return init
 
 
 def describe(layout: StateLayout) -> str:

@@ -263,6 +263,7 @@ def test_init_shares_its_parameter_draws_across_optimizers(tmp_path, caplog):
             states.append(step_fns.init_state(3))
             hits = [r.getMessage() for r in caplog.records if "cache hit" in r.getMessage()]
     assert any("'jit_init_params'" in hit for hit in hits), hits  # the second optimizer's
+    assert not jax.config.jax_threefry_gpu_kernel_lowering  # the GPU kernels for the draws only
 
     def single_program(rng):  # the parameters and the optimizer's state in one jitted init
         params = nn.unbox(train_state._init_params(model, rng, step_fns.example))
