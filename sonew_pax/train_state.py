@@ -5,8 +5,9 @@ state's shapes come from ``jax.eval_shape``; the parameter specs are given (deri
 model's logical axis names by `sonew_pax.partitioning`); the optimizer-state specs come from
 `sonew_pax.optim.state_partition_specs` (SONew state lives in its parameter's layout, so its spec
 is the parameter's); and the one real initialisation is two jitted functions (the parameters'
-draws, then the optimizer's state around them) whose ``out_shardings`` are those specs, so no array
-is ever materialised whole on one device.
+draws, then the optimizer's state around them) whose ``out_shardings`` are those specs, so no state
+array is ever materialised whole on one device (on several GPUs a parameter's random bits are:
+`threefry_gpu_kernels`).
 """
 
 import contextlib
