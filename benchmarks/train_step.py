@@ -23,9 +23,10 @@ tests).
 Output: a table, and ``--out`` (default ``benchmarks/results/train_step.json``)
 ``{"device", "date", "params", "config", "rows": [{"optimizer", "step_ms", "ratio_vs_adamw",
 "peak_memory_gib", "memory_ratio_vs_adamw", "step_ms_min", "pipelined_ms",
-"pipelined_ratio_vs_adamw", "dispatch_ms", "first_step_s", "first_step_trace_s",
+"pipelined_ratio_vs_adamw", "dispatch_ms", "init_s", "first_step_s", "first_step_trace_s",
 "first_step_lower_s", "first_step_compile_s", "tokens_per_s", "mfu", "loss",
-"first_loss", "steps", "mesh"}]}`` (``first_step_{trace,lower,compile}_s``: of the first step,
+"first_loss", "steps", "mesh"}]}`` (``init_s``: the state's initialisation, its compile
+included, before the first step; ``first_step_{trace,lower,compile}_s``: of the first step,
 the seconds JAX traced, lowered and compiled, autotuning included (`common.compile_seconds`);
 ``loss`` after ``steps`` steps on the same batch; ``mfu``
 of the pipelined step as the trainer's progress line counts it, null on a device of unknown
@@ -78,6 +79,7 @@ COLUMNS = (
     "dispatch_ms",
     "peak_memory_gib",
     "memory_ratio_vs_adamw",
+    "init_s",
     "first_step_s",
     "first_step_compile_s",
     "mfu",
@@ -183,7 +185,9 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         compiler_options=common.compiler_options(args),
     )
     with partitioning.axis_rules_context(mesh, rules):
-        state = trainer.init_state(0)
+        start = time.perf_counter()
+        state = jax.block_until_ready(trainer.init_state(0))
+        init_s = time.perf_counter() - start
         tokens = random_batch(config.vocab_size, args.batch_size, args.seq_len, args.tokens)
         batch = trainer.global_batch(tokens)
         with common.compile_seconds() as first_compile:
@@ -215,6 +219,7 @@ def run_one(name: str, args: argparse.Namespace) -> dict:
         "pipelined_ms": pipelined,
         "dispatch_ms": dispatch,
         "peak_memory_gib": peak_memory_gib(devices),
+        "init_s": init_s,
         "first_step_s": first_step_s,
         **{f"first_step_{phase}": seconds for phase, seconds in first_compile.items()},
         "tokens_per_s": args.batch_size * args.seq_len / (median / 1e3),

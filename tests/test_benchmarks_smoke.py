@@ -237,7 +237,7 @@ def test_train_step_schema(tmp_path):
     for row in written["rows"]:
         assert _finite(row["step_ms"]) and _finite(row["ratio_vs_adamw"]) and _finite(row["loss"])
         assert _finite(row["pipelined_ms"]) and _finite(row["pipelined_ratio_vs_adamw"])
-        assert _finite(row["dispatch_ms"])
+        assert _finite(row["dispatch_ms"]) and _finite(row["init_s"]) and row["init_s"] > 0
         assert "peak_memory_gib" in row  # None on CPU
         # The trace has no device lane on CPU: the plumbing only (profile_update's test reads one).
         assert row["busy_ms"] == row["span_ms"] == 0 and row["families"] == []
