@@ -370,9 +370,10 @@ def run_order(
 
 
 def expected_seconds(runs: list[dict], name: str) -> float | None:
-    """How long a run of optimizer ``name`` should take: its longest finished run's seconds, else
-    the longest finished run's of any optimizer; None before the first run."""
-    same = [run["seconds"] for run in runs if run["optimizer"] == name]
+    """How long a run of optimizer ``name`` should take: its longest finished run's seconds less
+    that run's compiling (``compile_s``: this process has its programs now), else the longest
+    finished run's of any optimizer, compiling included; None before the first run."""
+    same = [run["seconds"] - run.get("compile_s", 0.0) for run in runs if run["optimizer"] == name]
     return max(same or [run["seconds"] for run in runs], default=None)
 
 
@@ -642,7 +643,8 @@ def sweep(
 ) -> dict | None:
     """Trains the (optimizer, lr, eps, seed) runs of ``order`` one after another, calling
     ``save`` with the runs so far after each (each run with ``cache_hits``, the executables it
-    loaded from the persistent compilation cache), until the next would end past
+    loaded from the persistent compilation cache, and ``compile_s``, its seconds of tracing,
+    lowering and compiling), until the next would end past
     ``--deadline_s`` from ``start``; returns what the last ``save`` returned (None: no run)."""
     runs, result = [], None
     for name, lr, eps, seed in order:
@@ -654,11 +656,11 @@ def sweep(
                   "--deadline_s are left", flush=True)  # fmt: skip
             break
         print(f"{label} (run {len(runs) + 1}/{len(order)})", flush=True)
-        with CacheHits() as hits:
+        with CacheHits() as hits, common.compile_seconds() as compiling:
             run = train_run(
                 trainers[name], name, lr, train[seed], held_out, args.eval_every, eps, seed
             )
-        run["cache_hits"] = hits.count
+        run["cache_hits"], run["compile_s"] = hits.count, sum(compiling.values())
         print(
             f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s (first step "
             f"{run['first_step_s']:.1f}s: init {run['init_s']:.1f}s, first evaluation "

@@ -357,13 +357,16 @@ def test_sonew_stack_dtype_flag_reaches_sonew():
         lm_convergence.base_factory("sonew_tridiag", alone["sonew_tridiag"])(1e-3)
 
 
-def test_expected_seconds_is_the_optimizers_longest_run_else_any():
+def test_expected_seconds_is_the_optimizers_longest_run_less_compiling_else_any():
     runs = [{"optimizer": "adamw", "seconds": 10.0}, {"optimizer": "adamw", "seconds": 12.0}]
     assert lm_convergence.expected_seconds([], "adamw") is None
     assert lm_convergence.expected_seconds(runs, "adamw") == 12.0
     muon = {"optimizer": "muon", "seconds": 3.0}
     assert lm_convergence.expected_seconds([*runs, muon], "muon") == 3.0  # its own, though shorter
     assert lm_convergence.expected_seconds(runs, "sonew_tridiag") == 12.0  # none of its own yet
+    compiled = [{"optimizer": "adamw", "seconds": 12.0, "compile_s": 5.0}, muon]
+    assert lm_convergence.expected_seconds(compiled, "adamw") == 7.0  # its compiles are done
+    assert lm_convergence.expected_seconds(compiled, "sonew_tridiag") == 12.0  # its are not
 
 
 def test_runs_flag_is_exactly_those_runs_and_their_grid():
