@@ -664,8 +664,9 @@ def sweep(
         print(
             f"  -> final eval {run['final_eval_loss']}, {run['seconds']:.1f}s (first step "
             f"{run['first_step_s']:.1f}s: init {run['init_s']:.1f}s, first evaluation "
-            f"{run['first_eval_s'] - run['init_s']:.1f}s, {run['cache_hits']} programs from the "
-            f"compilation cache; {run['ms_per_step']:.1f} ms/step)",
+            f"{run['first_eval_s'] - run['init_s']:.1f}s; {run['compile_s']:.1f}s compiling, "
+            f"{run['cache_hits']} programs from the compilation cache; "
+            f"{run['ms_per_step']:.1f} ms/step)",
             flush=True,
         )
         runs.append(run)
