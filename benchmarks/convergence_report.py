@@ -5,12 +5,13 @@
 
 * ``runs`` has one entry per (optimizer, learning rate, eps, seed): ``{"optimizer",
   "learning_rate", "eps", "seed", "final_eval_loss", "min_eval_loss", "diverged", "steps",
-  "seconds", "first_step_s", "first_eval_s", "init_s", "cache_hits", "ms_per_step", "curve":
-  {"step", "eval_loss", "train_loss"}}`` (``eps``: SONew's damping, null for the others;
+  "seconds", "first_step_s", "first_eval_s", "init_s", "cache_hits", "compile_s", "ms_per_step",
+  "curve": {"step", "eval_loss", "train_loss"}}`` (``eps``: SONew's damping, null for the others;
   ``first_eval_s``: of ``first_step_s``, the state's init and the step-0 evaluation, compiles
   included, and ``init_s`` the init alone; ``cache_hits``: executables loaded from the persistent
-  compilation cache; ``ms_per_step`` excludes evaluations; a merged result's runs also name their
-  ``device``; older runs lack ``init_s`` and ``cache_hits``);
+  compilation cache; ``compile_s``: the run's seconds of tracing, lowering and compiling;
+  ``ms_per_step`` excludes evaluations; a merged result's runs also name their ``device``; older
+  runs lack ``init_s``, ``cache_hits`` and ``compile_s``);
 * ``rows`` has one per optimizer, its best setting (`summary_rows`): ``{"optimizer",
   "learning_rate", "eps", "final_eval_loss", "steps_to_adamw_final", "steps_ratio_vs_adamw", ...,
   "ms_per_step", "seconds_ratio_vs_adamw", "lr_at_grid_edge", "eps_at_grid_edge", ...}``

@@ -107,8 +107,8 @@ def threefry_gpu_kernels():
     other platforms); the process's setting again after it.
 
     XLA fuses the element-wise draws of one program into ever larger kernels and compiles them
-    in time that grows faster than their number: a model's initialiser compiles about ten times
-    faster with the kernels (docs/performance.md). What it trades: XLA cannot split the kernel's
+    in time that grows faster than their number; with the kernels a model's initialiser compiles
+    in a fraction of it (docs/performance.md). What it trades: XLA cannot split the kernel's
     custom call, so on a mesh of several GPUs each draws a sharded parameter's bits whole before
     keeping its shard.
     """
