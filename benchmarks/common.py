@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import datetime
 import functools
+import hashlib
 import json
 import math
 import os
@@ -339,6 +340,19 @@ def xla_flags() -> str | None:
     """``XLA_FLAGS`` as this process runs under it (``None`` if unset): results record it, since
     flags such as ``--xla_gpu_command_buffer_scheduling_mode`` change the device's timings."""
     return os.environ.get("XLA_FLAGS") or None
+
+
+def code_fingerprint(root: Path = ROOT) -> str:
+    """12 hex digits of a SHA-256 over the library's source and gin files (``sonew_pax/`` and
+    ``configs/``, paths and contents): the code a step program is built from. Results record it
+    so that step times measured on different code are not compared (a change to the model's step
+    changes every optimizer's time, so ratios across it would mix two programs)."""
+    digest = hashlib.sha256()
+    files = [*root.glob("sonew_pax/**/*.py"), *root.glob("configs/**/*.gin")]
+    for path in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def utc_date() -> str:

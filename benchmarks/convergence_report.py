@@ -1,7 +1,7 @@
 """LM convergence results: summaries, steps-to-reach, merging, plots and markdown.
 
 `benchmarks.lm_convergence` runs the sweeps and writes each result through `write_outputs`:
-``{"device", "date", "params", "config", "rows", "runs"}``, where
+``{"device", "code", "date", "params", "config", "rows", "runs"}``, where
 
 * ``runs`` has one entry per (optimizer, learning rate, eps, seed): ``{"optimizer",
   "learning_rate", "eps", "seed", "final_eval_loss", "min_eval_loss", "diverged", "steps",
@@ -10,13 +10,14 @@
   ``first_eval_s``: of ``first_step_s``, the state's init and the step-0 evaluation, compiles
   included, and ``init_s`` the init alone; ``cache_hits``: executables loaded from the persistent
   compilation cache; ``compile_s``: the run's seconds of tracing, lowering and compiling;
-  ``ms_per_step`` excludes evaluations; a merged result's runs also name their ``device``; older
-  runs lack ``init_s``, ``cache_hits`` and ``compile_s``);
+  ``ms_per_step`` excludes evaluations; a merged result's runs also name their ``device`` and
+  ``code``, the result's `common.code_fingerprint`; older runs lack ``init_s``, ``cache_hits``,
+  ``compile_s`` and ``code``);
 * ``rows`` has one per optimizer, its best setting (`summary_rows`): ``{"optimizer",
   "learning_rate", "eps", "final_eval_loss", "steps_to_adamw_final", "steps_ratio_vs_adamw", ...,
   "ms_per_step", "seconds_ratio_vs_adamw", "lr_at_grid_edge", "eps_at_grid_edge", ...}``
   (``seconds_ratio_vs_adamw``: ``steps_ratio_vs_adamw`` times the step-time ratio, both times
-  from one card, `timing_card`).
+  from one card and one code, `timing_group`).
 
 Beside the JSON, ``.md`` holds the tables and ``.png`` the held-out loss against steps (each
 optimizer's best run bold, its sweep faint) and against seconds of training steps. Older results
@@ -212,7 +213,7 @@ def summary_rows(
     eps, seeds = eps or {}, seeds or [0]
     chosen = best_runs(mean_over_seeds(runs, sweep_seeds(runs, seeds) or seeds[:1]))
     best = {name: run_key(run) for name, run in chosen.items()}
-    times = step_ms(runs, timing_card(runs))
+    times = step_ms(runs, timing_group(runs))
     rows = []
     for name in OPTIMIZERS:
         if name not in best:
@@ -269,29 +270,34 @@ def _ratio_per_seed(runs, key, best, seeds) -> list[float | None]:
     ]
 
 
-def timing_card(runs: list[dict]) -> str | None:
-    """The card whose step times the wall-clock columns compare (a merged result's runs name
-    theirs, `merge_results`): of the cards AdamW ran on, the one the most optimizers ran on, then
-    the one with the most of AdamW's runs (a step's time does not depend on the learning rate, so
-    one run per optimizer on a card times it); ``None`` where none is named."""
-    cards = [r["device"] for r in runs if r["optimizer"] == BASELINE and r.get("device")]
-    if not cards:
+def timing_group(runs: list[dict]) -> tuple[str, str | None] | None:
+    """The (card, code) whose step times the wall-clock columns compare (a merged result's runs
+    name their ``device`` and the `common.code_fingerprint` they ran, `merge_results`): of the
+    pairs AdamW ran on, the one the most optimizers ran on, then the one with the most of AdamW's
+    runs (a step's time does not depend on the learning rate, so one run per optimizer times it);
+    ``None`` where no run names a card. Times of another card or other code are not compared:
+    a change to the model's step moves every optimizer's time."""
+    groups = [_group(r) for r in runs if r["optimizer"] == BASELINE and r.get("device")]
+    if not groups:
         return None
 
-    def coverage(card: str) -> tuple[int, int]:
-        ran = {r["optimizer"] for r in runs if r.get("device") == card and r.get("ms_per_step")}
-        return len(ran), cards.count(card)
+    def coverage(group: tuple) -> tuple[int, int]:
+        ran = {r["optimizer"] for r in runs if _group(r) == group and r.get("ms_per_step")}
+        return len(ran), groups.count(group)
 
-    return max(sorted(set(cards)), key=coverage)
+    return max(sorted(set(groups), key=str), key=coverage)
 
 
-def step_ms(runs: list[dict], card: str | None = None) -> dict[str, float]:
+def _group(run: dict) -> tuple[str | None, str | None]:
+    return run.get("device"), run.get("code")
+
+
+def step_ms(runs: list[dict], group: tuple | None = None) -> dict[str, float]:
     """Each optimizer's median ``ms_per_step`` over its runs (every setting runs the same
-    compiled step; evaluations excluded) on ``card`` (runs that name no card count for any):
-    step times of different cards are not compared."""
+    compiled step; evaluations excluded) of ``group`` (`timing_group`; ``None``: every run)."""
     times: dict[str, list[float]] = {}
     for run in runs:
-        if run.get("ms_per_step") and (card is None or run.get("device", card) == card):
+        if run.get("ms_per_step") and (group is None or _group(run) == group):
             times.setdefault(run["optimizer"], []).append(run["ms_per_step"])
     return {name: float(np.median(values)) for name, values in times.items()}
 
@@ -331,7 +337,7 @@ def plot(result: dict, path: Path) -> bool:
     best = {run_key(row) for row in result["rows"]}
     runs = averaged_runs(result["runs"], seeds_of(result["config"]))
     fig, axes = plt.subplots(1, 3, figsize=(19, 5))
-    times = step_ms(result["runs"], timing_card(result["runs"]))
+    times = step_ms(result["runs"], timing_group(result["runs"]))
     for run in runs:
         if run_key(run) in best and run["optimizer"] in times:
             _plot_run(axes[2], run, True, True, seconds_per_step=times[run["optimizer"]] / 1e3)
@@ -472,7 +478,12 @@ def merge_results(results: list[dict]) -> dict:
         own = seeds_of(result["config"])
         seeds += [s for s in own if s not in seeds]
         runs += [
-            {**run, "seed": run.get("seed", own[0]), "device": run.get("device", result["device"])}
+            {
+                **run,
+                "seed": run.get("seed", own[0]),
+                "device": run.get("device", result["device"]),
+                "code": run.get("code", result.get("code")),
+            }
             for run in result["runs"]
         ]
     seeds = [s for s in seeds if any(run["seed"] == s for run in runs)]  # a cut sweep lists more
@@ -492,6 +503,7 @@ def merge_results(results: list[dict]) -> dict:
     config["hyperparameters"][CANDIDATE]["eps"] = eps[CANDIDATE]
     return {
         "device": " / ".join(sorted({run["device"] for run in runs})),
+        "code": " / ".join(sorted({run["code"] for run in runs if run["code"]})) or None,
         "date": max(r["date"] for r in results),
         "params": results[0]["params"],
         "config": config,

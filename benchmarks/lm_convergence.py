@@ -412,6 +412,7 @@ def build_result(
     }  # fmt: skip
     return {
         "device": common.device_name(),
+        "code": common.code_fingerprint(),
         "date": common.utc_date(),
         "params": params,
         "config": config,

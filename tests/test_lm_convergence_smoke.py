@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import convergence_report, lm_convergence
+from benchmarks import common, convergence_report, lm_convergence
 from sonew_pax import optim
 
 ARGV = [
@@ -88,10 +88,49 @@ def test_seconds_ratio_is_the_steps_ratio_times_the_step_time_ratio():
     cards = ["H200", "H200", "H100", "H100", None]
     named = [{**run, "device": card} for run, card in zip(runs, cards, strict=True) if card]
     named[-1]["ms_per_step"] = 20.0
-    assert convergence_report.timing_card(named[:3]) == "H200"
-    assert convergence_report.timing_card(named) == "H100"
-    assert convergence_report.step_ms(named, "H100") == {"adamw": 11.0, "sonew_tridiag": 20.0}
-    assert convergence_report.step_ms(named, "H200") == {"adamw": 11.0}
+    assert convergence_report.timing_group(named[:3]) == ("H200", None)
+    assert convergence_report.timing_group(named) == ("H100", None)
+    assert convergence_report.step_ms(named, ("H100", None)) == {
+        "adamw": 11.0,
+        "sonew_tridiag": 20.0,
+    }
+    assert convergence_report.step_ms(named, ("H200", None)) == {"adamw": 11.0}
+
+    # On one card, the times of the code that timed the most optimizers: a change to the model's
+    # step moved AdamW's time, and Muon ran only on the new code.
+    old = [
+        {"optimizer": "adamw", "ms_per_step": 95.0},
+        {"optimizer": "adamw", "ms_per_step": 96.0},
+        {"optimizer": "sonew_tridiag", "ms_per_step": 98.0},
+    ]
+    new = [
+        {"optimizer": "adamw", "ms_per_step": 89.0, "code": "b"},
+        {"optimizer": "sonew_tridiag", "ms_per_step": 92.0, "code": "b"},
+        {"optimizer": "muon", "ms_per_step": 148.0, "code": "b"},
+    ]
+    mixed = [{**run, "device": "H100"} for run in old + new]
+    assert convergence_report.timing_group(mixed) == ("H100", "b")
+    assert convergence_report.step_ms(mixed, ("H100", "b")) == {
+        "adamw": 89.0,
+        "sonew_tridiag": 92.0,
+        "muon": 148.0,
+    }
+
+
+def test_code_fingerprint_follows_the_library_source(tmp_path):
+    for name in ("sonew_pax/a.py", "sonew_pax/sub/b.py", "configs/c.gin", "benchmarks/d.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    before = common.code_fingerprint(tmp_path)
+    assert len(before) == 12 and before == common.code_fingerprint(tmp_path)
+    (tmp_path / "benchmarks/d.py").write_text("not the library")
+    assert common.code_fingerprint(tmp_path) == before
+    for name in ("sonew_pax/sub/b.py", "configs/c.gin"):
+        (tmp_path / name).write_text("changed")
+        assert common.code_fingerprint(tmp_path) != before
+        before = common.code_fingerprint(tmp_path)
+    (tmp_path / "sonew_pax/sub/b.py").rename(tmp_path / "sonew_pax/b2.py")  # a move is a change
+    assert common.code_fingerprint(tmp_path) != before
 
 
 def test_sonew_damping_flag_reaches_only_sonew():
@@ -269,9 +308,12 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
     for run in wider["runs"]:
         del run["seed"]  # older results: the config's seed
     best_again["config"]["seeds"] = [1, 2]  # seed 2 never ran (a sweep cut by its deadline)
+    best_again["code"] = "c0de"  # older results name no code
     merged = convergence_report.merge_results([sweep, best_again, wider])
     assert merged["config"]["seeds"] == [0, 1] and "seed" not in merged["config"]
     assert {run["device"] for run in merged["runs"]} == {"cpu"}  # each run names its card
+    assert [run["code"] for run in merged["runs"]] == [None] * 4 + ["c0de"] * 2 + [None]
+    assert merged["code"] == "c0de"
     # the grids are the rates that ran: 8.0, listed but not run, is no grid edge
     assert merged["config"]["learning_rates"]["adamw"] == [1.0, 2.0, 4.0]
     rows = {row["optimizer"]: row for row in merged["rows"]}
