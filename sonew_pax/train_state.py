@@ -6,8 +6,7 @@ model's logical axis names by `sonew_pax.partitioning`); the optimizer-state spe
 `sonew_pax.optim.state_partition_specs` (SONew state lives in its parameter's layout, so its spec
 is the parameter's); and the one real initialisation is two jitted functions (the parameters'
 draws, then the optimizer's state around them) whose ``out_shardings`` are those specs, so no state
-array is ever materialised whole on one device (on several GPUs a parameter's random bits are:
-`threefry_gpu_kernels`).
+array is ever materialised whole on one device.
 """
 
 import contextlib
@@ -101,23 +100,34 @@ def derive_layout(
 
 
 @contextlib.contextmanager
-def threefry_gpu_kernels():
-    """Within the block, JAX lowers each threefry draw on a GPU to its CUDA kernel instead of
-    XLA's element-wise form (``jax_threefry_gpu_kernel_lowering``; the same bits; no effect on
-    other platforms); the process's setting again after it.
+def threefry_gpu_kernels(enabled: bool = True):
+    """Within the block (where ``enabled``), JAX lowers each threefry draw on a GPU to its CUDA
+    kernel instead of XLA's element-wise form (``jax_threefry_gpu_kernel_lowering``; the same
+    bits; no effect on other platforms); the process's setting again after it.
 
     XLA fuses the element-wise draws of one program into ever larger kernels and compiles them
     in time that grows faster than their number; with the kernels a model's initialiser compiles
     in a fraction of it (docs/performance.md). What it trades: XLA cannot split the kernel's
-    custom call, so on a mesh of several GPUs each draws a sharded parameter's bits whole before
-    keeping its shard.
+    custom call, so on a mesh each device draws a sharded parameter's bits whole before keeping
+    its shard, holding a share of the whole model's bits at once (`draws_by_gpu_kernels`).
     """
     before = jax.config.jax_threefry_gpu_kernel_lowering
-    jax.config.update("jax_threefry_gpu_kernel_lowering", True)
+    jax.config.update("jax_threefry_gpu_kernel_lowering", enabled or before)
     try:
         yield
     finally:
         jax.config.update("jax_threefry_gpu_kernel_lowering", before)
+
+
+def draws_by_gpu_kernels(param_shardings: PyTree) -> bool:
+    """Whether the parameters' draws take `threefry_gpu_kernels`: only where no parameter is
+    sharded. Each device then holds every parameter whole anyway, and the kernels' buffers of
+    bits are transient beside the training step's peak. On a sharded mesh the kernels would
+    draw every parameter whole on every device (a 1b model split 8 ways: 1.46 GiB of temporary
+    bits per device against its 0.44 GiB shard, H200 target), a share of the whole model that
+    grows with it while the shards shrink; XLA's element-wise form draws each device's shard
+    alone, at a slower compile."""
+    return all(s.is_fully_replicated for s in jax.tree.leaves(param_shardings))
 
 
 def make_init_fn(
@@ -128,11 +138,12 @@ def make_init_fn(
 ) -> Callable[[jax.Array], TrainState]:
     """A ``rng -> TrainState`` that writes every array directly into its shard.
 
-    Two jitted programs: the parameters' random draws (`threefry_gpu_kernels`), which depend on
-    the model and its shardings alone, then the step-0 state around them (the optimizer's
-    initial state; the parameters donated, so none is copied). As their own program the draws
-    compile once for every optimizer of one model: trainers of one model with different
-    optimizers load them from the persistent compilation cache (a sweep over optimizers).
+    Two jitted programs: the parameters' random draws (by `threefry_gpu_kernels` where
+    `draws_by_gpu_kernels`), which depend on the model and its shardings alone, then the step-0
+    state around them (the optimizer's initial state; the parameters donated, so none is
+    copied). As their own program the draws compile once for every optimizer of one model:
+    trainers of one model with different optimizers load them from the persistent compilation
+    cache (a sweep over optimizers).
     """
 
     def init_params(rng: jax.Array) -> PyTree:
@@ -143,8 +154,10 @@ def make_init_fn(
         functools.partial(new_state, tx=tx), out_shardings=layout.shardings, donate_argnums=0
     )
 
+    kernels = draws_by_gpu_kernels(layout.shardings.params)
+
     def init(rng: jax.Array) -> TrainState:
-        with threefry_gpu_kernels():
+        with threefry_gpu_kernels(kernels):
             params = draw(rng)
         return wrap(params)
 

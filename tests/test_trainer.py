@@ -280,6 +280,33 @@ def test_init_shares_its_parameter_draws_across_optimizers(tmp_path, caplog):
         assert np.array_equal(a, b)  # the same draws whatever the optimizer
 
 
+def test_draws_take_the_gpu_kernels_only_where_no_parameter_is_sharded(tmp_path, monkeypatch):
+    """Inside `threefry_gpu_kernels` a draw lowers to the CUDA threefry kernel (exported for CUDA
+    on this CPU host), and the trainer's init asks for it only where no parameter is sharded:
+    the kernel would draw a sharded parameter whole on every device."""
+    draw = jax.jit(lambda key: jax.random.normal(key, (4, 4)))
+
+    def lowers_to_the_kernel(enabled):
+        with train_state.threefry_gpu_kernels(enabled):
+            exported = jax.export.export(draw, platforms=("cuda",))(jax.random.key(0))
+        return "cu_threefry2x32" in exported.mlir_module()
+
+    assert lowers_to_the_kernel(True) and not lowers_to_the_kernel(False)
+
+    configure(tmp_path)
+    model = models.Transformer(gin.query_parameter("train.model_config").scoped_configurable_fn())
+    asked, kernels = [], train_state.threefry_gpu_kernels
+    ask = lambda enabled: asked.append(enabled) or kernels(enabled)  # noqa: E731
+    monkeypatch.setattr(train_state, "threefry_gpu_kernels", ask)
+    for mesh in (partitioning.make_mesh(data=8, model=1), partitioning.make_mesh(data=2, model=4)):
+        adamw = lambda schedule, **_: optax.adamw(schedule)  # noqa: E731
+        schedule = optimizers.learning_rate_schedule()
+        rules = partitioning.logical_axis_rules()
+        step_fns = trainer.Trainer(model, adamw, schedule, mesh, rules, (8, 16), seed=0)
+        step_fns.init_state(0)
+    assert asked == [True, False]  # data parallel: every parameter whole; model=4: sharded
+
+
 def test_profile_window_writes_a_trace(tmp_path):
     """``train.profile_steps = (2, 2)``: a jax.profiler trace of steps 2-3 in MODEL_DIR/profile/."""
     configure(tmp_path, "TRAIN_STEPS = 4", "train.profile_steps = (2, 2)")
