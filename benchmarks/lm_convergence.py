@@ -104,6 +104,7 @@ def hyperparameters(
     sonew_b2: float = B2,
     sonew_damping: str = optim.DEFAULT_DAMPING,
     sonew_graft_lag: bool = optim.DEFAULT_GRAFT_LAG,
+    muon_ns_dtype: str | None = None,
     **sonew_options: Any,
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is ``sonew_eps``
@@ -111,8 +112,10 @@ def hyperparameters(
     ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``. Each of ``sonew_options``
     (``offdiag_dtype``, ``stack_by_shape``, ``stack_dtype``) is a further ``sonew`` argument, set
     only where not None: left to the library, it stays out of the JSON, and results of sweeps that
-    never set it still merge with these."""
+    never set it still merge with these; so is Muon's ``ns_dtype`` (``muon_ns_dtype``)."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
+    if muon_ns_dtype is not None:
+        hp["muon"]["ns_dtype"] = muon_ns_dtype
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
     hp[CANDIDATE]["damping"] = sonew_damping
@@ -129,6 +132,7 @@ def hyperparameters_of(args: argparse.Namespace, sonew_eps: float | None = None)
         args.sonew_b2,
         args.sonew_damping,
         args.sonew_graft_lag,
+        args.muon_ns_dtype,
         offdiag_dtype=args.sonew_offdiag_dtype,
         stack_by_shape=args.sonew_stack_by_shape,
         stack_dtype=args.sonew_stack_dtype,
@@ -545,6 +549,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_stack_dtype",
         choices=("float32", "bfloat16"),
         help="dtype of SONew's stacked copy of the gradients (stack_by_shape; default: theirs)",
+    )
+    p.add_argument(
+        "--muon_ns_dtype",
+        choices=("bfloat16",),
+        help="dtype of Muon's Newton-Schulz iteration and momentum (default: float32)",
     )
     p.add_argument("--out", type=Path, default=common.RESULTS / "lm_convergence.json")
     p.add_argument("--plot_only", action="store_true", help="redraw --out's PNG and markdown")

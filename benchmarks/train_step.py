@@ -1,4 +1,4 @@
-"""Full train-step time and peak memory of a model config: SONew against AdamW and Adafactor.
+"""Full train-step time and peak memory of a model config: SONew, Muon, Adafactor against AdamW.
 
 The step is the trainer's own: `sonew_pax.trainer.Trainer` on a one-device mesh (or a
 ``--mesh_data`` x ``--mesh_model`` mesh over the first devices) builds the model
@@ -37,7 +37,7 @@ where kernels overlap), ``kernels`` and the largest ``--profile_families`` kerne
 of ``N`` traced steps (``device_trace``; ``--profile_families 400`` keeps them all).
 SONew rows are ``updates.SONEW_VARIANTS`` (``*_pallas``: with the Pallas kernels; the trainer
 applies through ``optim.apply_gradients``, so in ``*_lag_pallas`` rows the kernels write the
-parameters: the fused apply).
+parameters: the fused apply); Muon rows are `MUON_VARIANTS`.
 
 Usage: ``python -m benchmarks.train_step [--model 350m] [--batch_size 8] [--seq_len 1024]``.
 """
@@ -68,7 +68,10 @@ from sonew_pax.models import (
 )
 from sonew_pax.trainer import Trainer
 
-OPTIMIZERS = ("adamw", "adafactor", *updates.SONEW_VARIANTS)
+# Muon as the convergence tables run it (`optimizers.muon`, its Newton-Schulz iteration in the
+# gradients' float32), and with the iteration in bfloat16 (``ns_dtype``).
+MUON_VARIANTS = {"muon": {}, "muon_bf16": {"ns_dtype": "bfloat16"}}
+OPTIMIZERS = ("adamw", "adafactor", *MUON_VARIANTS, *updates.SONEW_VARIANTS)
 COLUMNS = (
     "optimizer",
     "step_ms",
@@ -109,6 +112,8 @@ def optimizer_factory(name: str, unsharded: bool, kernel_config=None):
         factory = functools.partial(optimizers.adamw, weight_decay=updates.WEIGHT_DECAY)
     elif name == "adafactor":
         factory = optimizers.adafactor
+    elif name in MUON_VARIANTS:
+        factory = functools.partial(optimizers.muon, **MUON_VARIANTS[name])
     else:
         kwargs = updates.SONEW_VARIANTS[name]
         kwargs = kwargs | {"kernel_config": kernel_config or optim.KernelConfig()}

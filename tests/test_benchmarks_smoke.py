@@ -225,7 +225,7 @@ def test_train_step_schema(tmp_path):
         "--iters",
         "1",
         "--optimizers",
-        "adamw,sonew_diag",
+        "adamw,sonew_diag,muon_bf16",
         "--no_isolate",
         "--profile_steps",
         "1",
@@ -233,7 +233,7 @@ def test_train_step_schema(tmp_path):
     ]
     written = _read(out, train_step.main([*argv, "--out", str(out)]))
     assert written["config"]["concurrent"] is True
-    assert [row["optimizer"] for row in written["rows"]] == ["adamw", "sonew_diag"]
+    assert [row["optimizer"] for row in written["rows"]] == ["adamw", "sonew_diag", "muon_bf16"]
     for row in written["rows"]:
         assert _finite(row["step_ms"]) and _finite(row["ratio_vs_adamw"]) and _finite(row["loss"])
         assert _finite(row["pipelined_ms"]) and _finite(row["pipelined_ratio_vs_adamw"])

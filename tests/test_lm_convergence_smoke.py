@@ -140,6 +140,22 @@ def test_sonew_damping_flag_reaches_only_sonew():
     assert all("damping" not in hp[name] for name in hp if name != "sonew_tridiag")
 
 
+def test_muon_ns_dtype_flag_reaches_muon_and_builds():
+    """``--muon_ns_dtype bfloat16`` reaches Muon's hyperparameters (which then do not merge with
+    float32 runs'), and Muon's matrix momentum is bfloat16; without it the JSON has no key."""
+    args = lm_convergence.parse_args(["--muon_ns_dtype", "bfloat16"])
+    hp = lm_convergence.hyperparameters_of(args)
+    assert hp["muon"]["ns_dtype"] == "bfloat16"
+    assert all("ns_dtype" not in hp[name] for name in hp if name != "muon")
+    default = lm_convergence.hyperparameters_of(lm_convergence.parse_args([]))
+    assert "ns_dtype" not in default["muon"]
+    tx = lm_convergence.base_factory("muon", hp["muon"])(1e-3)
+    params = {"layer_0": {"mlp": {"wi": jnp.zeros((4, 3))}}}
+    assert {leaf.dtype for leaf in jax.tree.leaves(tx.init(params)) if leaf.ndim == 2} == {
+        jnp.dtype(jnp.bfloat16)
+    }
+
+
 @pytest.mark.parametrize("flag", ["on", "off"])
 def test_sonew_graft_lag_flag_reaches_sonew_and_builds(flag):
     args = lm_convergence.parse_args(["--sonew_graft_lag", flag])
