@@ -123,10 +123,9 @@ def draws_by_gpu_kernels(param_shardings: PyTree) -> bool:
     """Whether the parameters' draws take `threefry_gpu_kernels`: only where no parameter is
     sharded. Each device then holds every parameter whole anyway, and the kernels' buffers of
     bits are transient beside the training step's peak. On a sharded mesh the kernels would
-    draw every parameter whole on every device (a 1b model split 8 ways: 1.46 GiB of temporary
-    bits per device against its 0.44 GiB shard, H200 target), a share of the whole model that
-    grows with it while the shards shrink; XLA's element-wise form draws each device's shard
-    alone, at a slower compile."""
+    draw every parameter whole on every device: temporary bits several times a device's shard
+    (docs/performance.md), a share of the whole model that grows with it while the shards
+    shrink; XLA's element-wise form draws each device's shard alone, at a slower compile."""
     return all(s.is_fully_replicated for s in jax.tree.leaves(param_shardings))
 
 
