@@ -247,6 +247,13 @@ def muon_dimension_numbers(stacked_axes: Any = None) -> Callable[[Any], Any]:
     return dimension_numbers
 
 
+def _is_float_dtype(dtype: Any) -> bool:
+    try:
+        return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+    except TypeError:  # not a dtype at all
+        return False
+
+
 def cast_to(dtype: Any, select: Callable[[Any], Any]) -> optax.GradientTransformation:
     """The updates cast to ``dtype`` where ``select(updates)`` has an entry that is not None (as
     `muon_dimension_numbers` marks Muon's matrices), the others as they come. Stateless."""
@@ -295,6 +302,8 @@ def muon(
       Jordan et al., Muon (2024); Liu et al., "Muon is Scalable for LLM Training" (2025).
     """
     del mesh, param_specs
+    if ns_dtype is not None and not _is_float_dtype(ns_dtype):
+        raise ConfigError(f"muon.ns_dtype = {ns_dtype!r}: expected a float dtype, e.g. 'bfloat16'")
     dimension_numbers = muon_dimension_numbers(stacked_axes)
     tx = optax.contrib.muon(
         learning_rate,

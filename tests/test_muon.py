@@ -12,6 +12,7 @@ import optax
 import pytest
 
 from sonew_pax import optimizers, partitioning
+from sonew_pax.errors import ConfigError
 from sonew_pax.models import Transformer, TransformerConfig
 from sonew_pax.trainer import Trainer
 
@@ -109,6 +110,12 @@ def test_bfloat16_newton_schulz_iterates_in_bfloat16_on_muons_matrices_alone():
     a, b = want["layer_0"]["mlp"]["wi"], got["layer_0"]["mlp"]["wi"]
     assert 0 < float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 0.1
     np.testing.assert_allclose(got["embedding"], want["embedding"], rtol=1e-2, atol=1e-6)
+
+
+@pytest.mark.parametrize("ns_dtype", ["bf16", "int8", 3])
+def test_an_ns_dtype_that_is_no_float_dtype_is_named(ns_dtype):
+    with pytest.raises(ConfigError, match=f"muon.ns_dtype = {ns_dtype!r}: expected a float dtype"):
+        optimizers.muon(1e-2, ns_dtype=ns_dtype)
 
 
 def test_the_trainer_trains_with_muon_gin():
