@@ -25,6 +25,7 @@ import optax
 
 from sonew_pax import optim
 from sonew_pax.errors import ConfigError
+from sonew_pax.optim.config import as_dtype
 
 Schedule = Callable[[Any], Any]
 OptimizerFactory = Callable[..., optax.GradientTransformation]
@@ -249,7 +250,7 @@ def muon_dimension_numbers(stacked_axes: Any = None) -> Callable[[Any], Any]:
 
 def _is_float_dtype(dtype: Any) -> bool:
     try:
-        return jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
+        return jnp.issubdtype(as_dtype(dtype), jnp.floating)
     except TypeError:  # not a dtype at all
         return False
 
