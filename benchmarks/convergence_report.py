@@ -33,7 +33,7 @@ import numpy as np
 
 from benchmarks import common
 
-OPTIMIZERS = ("adamw", "adafactor", "muon", "sonew_tridiag")
+OPTIMIZERS = ("adamw", "adafactor", "muon", "muon_bf16", "sonew_tridiag")
 BASELINE = "adamw"
 CANDIDATE = "sonew_tridiag"
 ROW_COLUMNS = (
@@ -65,6 +65,7 @@ COLORS = {
     "adamw": "tab:blue",
     "adafactor": "tab:green",
     "muon": "tab:purple",
+    "muon_bf16": "tab:pink",
     "sonew_tridiag": "tab:red",
 }
 
@@ -458,19 +459,19 @@ def _eps_grid(runs: list[dict]) -> str:
 def merge_results(results: list[dict]) -> dict:
     """One result from several runs of `lm_convergence` with the same protocol: the shards of one
     sweep (``--processes``), other seeds of it, or more learning rates or eps values. Its grids
-    and seeds are the unions of those that ran; settings are compared on the seeds all of them
-    have run and reported over all the seeds each has (`summary_rows`). Raises ValueError when
-    a setting in ``SAME_CONFIG`` or an optimizer's hyperparameters (SONew's eps grid aside)
-    differ, or a setting ran twice from one seed."""
+    and seeds are the unions of those that ran, its optimizers' hyperparameters the union of
+    theirs (a result may add an optimizer, e.g. ``muon_bf16``); settings are compared on the
+    seeds all of them have run and reported over all the seeds each has (`summary_rows`).
+    Raises ValueError when a setting in ``SAME_CONFIG`` or the hyperparameters of an optimizer
+    two results name (SONew's eps grid aside) differ, or a setting ran twice from one seed."""
     first = results[0]["config"]
+    hyperparameters = {}
+    for result in results:
+        for name, hp in result["config"].get("hyperparameters", {}).items():
+            if _without_eps(hyperparameters.setdefault(name, hp)) != _without_eps(hp):
+                raise ValueError(f"cannot merge: config ['hyperparameters of {name}'] differs")
     for result in results[1:]:
-        config = result["config"]
-        differs = [k for k in SAME_CONFIG if config.get(k) != first.get(k)]
-        differs += [
-            f"hyperparameters of {name}"
-            for name, hp in first.get("hyperparameters", {}).items()
-            if _without_eps(config["hyperparameters"].get(name)) != _without_eps(hp)
-        ]
+        differs = [k for k in SAME_CONFIG if result["config"].get(k) != first.get(k)]
         if differs:
             raise ValueError(f"cannot merge: config {differs} differs")
     seeds, runs = [], []
@@ -500,6 +501,8 @@ def merge_results(results: list[dict]) -> dict:
     eps = {CANDIDATE: sorted({run["eps"] for run in runs if run["optimizer"] == CANDIDATE})}
     config = {**copy.deepcopy(first), "seeds": seeds, "learning_rates": lrs}
     config.pop("seed", None)
+    if hyperparameters:
+        config["hyperparameters"] = copy.deepcopy(hyperparameters)
     config["hyperparameters"][CANDIDATE]["eps"] = eps[CANDIDATE]
     return {
         "device": " / ".join(sorted({run["device"] for run in runs})),

@@ -14,10 +14,12 @@ Protocol:
   0.1x the peak, as ``runs/pretrain.gin``) for all.
 * Optimizers (`sonew_pax.optimizers`): ``adamw`` (b1 0.9, b2 0.95, weight decay 0.1 on
   matrices); ``adafactor``, the paper's (`adafactor_unfactored`); ``muon`` (AdamW's b1, b2 on the
-  embedding, output and norms); ``sonew_tridiag`` (band 1, Adam grafting, weight decay 0.1, b2
-  ``--sonew_b2``). Each sweeps its peak learning rates (``--lrs_<name>``), SONew its ``eps`` too
-  (``--sonew_eps``: every learning rate with every eps). One compiled step per optimizer: the
-  peak (and SONew's eps) is optimizer state (``optax.inject_hyperparams``).
+  embedding, output and norms; optax's float32 Newton-Schulz iteration), ``muon_bf16`` (the same
+  with the iteration and momentum in bfloat16, as the reference runs it; no rates unless asked);
+  ``sonew_tridiag`` (band 1, Adam grafting, weight decay 0.1, b2 ``--sonew_b2``). Each sweeps its
+  peak learning rates (``--lrs_<name>``), SONew its ``eps`` too (``--sonew_eps``: every learning
+  rate with every eps). One compiled step per optimizer: the peak (and SONew's eps) is optimizer
+  state (``optax.inject_hyperparams``).
 * SONew's damping is the library's unless ``--sonew_damping`` says otherwise: ``"mean"``, where
   ``eps`` is relative, a fraction of the mean of each tensor's bias-corrected diagonal at the
   previous step (default 0.1; 1e-2 to 3e-1 are worth a sweep), the same across models. With
@@ -84,6 +86,8 @@ HYPERPARAMS = {
     "adafactor": {"factored": False, "decay": "adam (bias-corrected)", "b1": B1, "b2": B2,
                   "eps": 1e-30, "clipping_threshold": 1.0, "weight_decay": 1e-3},
     "muon": {"beta": B2, "consistent_rms": 0.2, "weight_decay": 0.1, "adam_b1": B1, "adam_b2": B2},
+    "muon_bf16": {"beta": B2, "consistent_rms": 0.2, "weight_decay": 0.1, "adam_b1": B1,
+                  "adam_b2": B2, "ns_dtype": "bfloat16"},
     "sonew_tridiag": {"band": 1, "b1": B1, "b2": B2, "eps": DEFAULT_SONEW_EPS, "graft": "adam",
                       "weight_decay": 0.1},
 }  # fmt: skip
@@ -92,8 +96,12 @@ CLIP_NORM = 1.0
 # Each optimizer's factory, and the entries of HYPERPARAMS that only describe it (the JSON keeps
 # them) rather than being its arguments.
 FACTORIES = {"adamw": optimizers.adamw, "adafactor": optimizers.adafactor_unfactored,
-             "muon": optimizers.muon, "sonew_tridiag": optimizers.sonew}  # fmt: skip
+             "muon": optimizers.muon, "muon_bf16": optimizers.muon,
+             "sonew_tridiag": optimizers.sonew}  # fmt: skip
 DESCRIPTIVE = ("factored", "decay")
+# Optimizers a sweep runs only at the rates ``--lrs_<name>`` or ``--runs`` give: Muon with the
+# reference's bfloat16 Newton-Schulz iteration is a second Muon row, not a default cost.
+OPT_IN = ("muon_bf16",)
 
 
 # ---------------------------------------------------------------------------------- optimizers
@@ -104,7 +112,6 @@ def hyperparameters(
     sonew_b2: float = B2,
     sonew_damping: str = optim.DEFAULT_DAMPING,
     sonew_graft_lag: bool = optim.DEFAULT_GRAFT_LAG,
-    muon_ns_dtype: str | None = None,
     **sonew_options: Any,
 ) -> dict[str, dict]:
     """Every optimizer's hyperparameters besides the learning rate; SONew's ``eps`` is ``sonew_eps``
@@ -112,10 +119,8 @@ def hyperparameters(
     ``sonew_damping`` and its ``graft_lag`` ``sonew_graft_lag``. Each of ``sonew_options``
     (``offdiag_dtype``, ``stack_by_shape``, ``stack_dtype``) is a further ``sonew`` argument, set
     only where not None: left to the library, it stays out of the JSON, and results of sweeps that
-    never set it still merge with these; so is Muon's ``ns_dtype`` (``muon_ns_dtype``)."""
+    never set it still merge with these."""
     hp = {name: dict(values) for name, values in HYPERPARAMS.items()}
-    if muon_ns_dtype is not None:
-        hp["muon"]["ns_dtype"] = muon_ns_dtype
     hp[CANDIDATE]["eps"] = list(sonew_eps) if isinstance(sonew_eps, list | tuple) else sonew_eps
     hp[CANDIDATE]["b2"] = sonew_b2
     hp[CANDIDATE]["damping"] = sonew_damping
@@ -132,7 +137,6 @@ def hyperparameters_of(args: argparse.Namespace, sonew_eps: float | None = None)
         args.sonew_b2,
         args.sonew_damping,
         args.sonew_graft_lag,
-        args.muon_ns_dtype,
         offdiag_dtype=args.sonew_offdiag_dtype,
         stack_by_shape=args.sonew_stack_by_shape,
         stack_dtype=args.sonew_stack_dtype,
@@ -520,7 +524,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--lrs_{flag}",
             dest=f"lrs_{name}",
             type=common.float_list,
-            default=LRS,
+            default="" if name in OPT_IN else LRS,
             help=f"comma-separated peak learning rates of {name}",
         )
     p.add_argument(
@@ -549,11 +553,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--sonew_stack_dtype",
         choices=("float32", "bfloat16"),
         help="dtype of SONew's stacked copy of the gradients (stack_by_shape; default: theirs)",
-    )
-    p.add_argument(
-        "--muon_ns_dtype",
-        choices=("bfloat16",),
-        help="dtype of Muon's Newton-Schulz iteration and momentum (default: float32)",
     )
     p.add_argument("--out", type=Path, default=common.RESULTS / "lm_convergence.json")
     p.add_argument("--plot_only", action="store_true", help="redraw --out's PNG and markdown")

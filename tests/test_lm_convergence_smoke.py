@@ -2,6 +2,7 @@
 optimizer and 2 SONew eps values (SONew: the 2 x 2 grid), 20 steps; checks the JSON schema, the
 markdown and the plot. Plus the pure helpers of the benchmark and of its report."""
 
+import copy
 import json
 import math
 
@@ -140,20 +141,22 @@ def test_sonew_damping_flag_reaches_only_sonew():
     assert all("damping" not in hp[name] for name in hp if name != "sonew_tridiag")
 
 
-def test_muon_ns_dtype_flag_reaches_muon_and_builds():
-    """``--muon_ns_dtype bfloat16`` reaches Muon's hyperparameters (which then do not merge with
-    float32 runs'), and Muon's matrix momentum is bfloat16; without it the JSON has no key."""
-    args = lm_convergence.parse_args(["--muon_ns_dtype", "bfloat16"])
-    hp = lm_convergence.hyperparameters_of(args)
-    assert hp["muon"]["ns_dtype"] == "bfloat16"
-    assert all("ns_dtype" not in hp[name] for name in hp if name != "muon")
-    default = lm_convergence.hyperparameters_of(lm_convergence.parse_args([]))
-    assert "ns_dtype" not in default["muon"]
-    tx = lm_convergence.base_factory("muon", hp["muon"])(1e-3)
+def test_muon_bf16_is_muon_with_a_bfloat16_iteration_run_only_when_asked():
+    """``muon_bf16`` differs from ``muon`` only in ``ns_dtype`` (so its runs are a row of their
+    own in a table of float32 Muon's), builds a Muon whose matrix momentum is bfloat16, and a
+    sweep runs it only at the rates it is given."""
+    hp = lm_convergence.hyperparameters_of(lm_convergence.parse_args([]))
+    assert hp["muon_bf16"] == {**hp["muon"], "ns_dtype": "bfloat16"}
+    assert all("ns_dtype" not in hp[name] for name in hp if name != "muon_bf16")
     params = {"layer_0": {"mlp": {"wi": jnp.zeros((4, 3))}}}
-    assert {leaf.dtype for leaf in jax.tree.leaves(tx.init(params)) if leaf.ndim == 2} == {
-        jnp.dtype(jnp.bfloat16)
-    }
+    for name, dtype in (("muon", jnp.float32), ("muon_bf16", jnp.bfloat16)):
+        tx = lm_convergence.base_factory(name, hp[name])(1e-3)
+        matrices = {leaf.dtype for leaf in jax.tree.leaves(tx.init(params)) if leaf.ndim == 2}
+        assert matrices == {jnp.dtype(dtype)}
+    assert lm_convergence.parse_args([]).lrs_muon_bf16 == []
+    assert lm_convergence.parse_args([]).lrs_muon != []
+    asked = lm_convergence.parse_args(["--runs", "muon_bf16:2e-3:0"])
+    assert (asked.lrs_muon_bf16, asked.lrs_muon) == ([2e-3], [])
 
 
 @pytest.mark.parametrize("flag", ["on", "off"])
@@ -180,7 +183,8 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
 
     assert written["config"]["hyperparameters"]["sonew_tridiag"]["eps"] == EPS
     assert len(written["runs"]) == 9
-    assert {r["optimizer"] for r in written["rows"]} == set(convergence_report.OPTIMIZERS)
+    swept = set(convergence_report.OPTIMIZERS) - set(lm_convergence.OPT_IN)
+    assert {r["optimizer"] for r in written["rows"]} == swept
     grid = {
         (r["learning_rate"], r["eps"]) for r in written["runs"] if r["optimizer"] == "sonew_tridiag"
     }
@@ -196,7 +200,7 @@ def test_tiny_sweep_writes_schema_and_plot(tmp_path):
     assert sonew[(3e-3, EPS[0])] != sonew[(3e-3, EPS[1])]  # the injected eps takes effect
 
     rows = {row["optimizer"]: row for row in written["rows"]}
-    assert set(rows) == set(convergence_report.OPTIMIZERS)
+    assert set(rows) == swept
     keys = {"optimizer", "learning_rate", "final_eval_loss", "steps_to_adamw_final",
             "steps_ratio_vs_adamw"}  # fmt: skip
     for name, row in rows.items():
@@ -354,6 +358,24 @@ def test_merge_chooses_on_the_sweep_seed_and_reports_every_seed_of_the_best():
         convergence_report.merge_results([sweep, wider])
 
 
+def test_merge_takes_an_optimizer_another_result_adds():
+    """A result that adds an optimizer (``muon_bf16`` beside a table without it) merges, its
+    hyperparameters join the table's; two results naming it with others do not merge."""
+    table = _result(0, [1.0], [_run("adamw", 1.0, 0, [5.0, 3.0, 2.0])])
+    added = _result(0, [], [_run("muon_bf16", 1.0, 0, [5.0, 2.0, 1.0])])
+    added["config"]["hyperparameters"]["muon_bf16"] = {"ns_dtype": "bfloat16"}
+    merged = convergence_report.merge_results([table, added])
+    hp = merged["config"]["hyperparameters"]
+    assert (hp["muon_bf16"], hp["sonew_tridiag"]["damping"]) == ({"ns_dtype": "bfloat16"}, "mean")
+    rows = {row["optimizer"]: row for row in merged["rows"]}
+    assert rows["muon_bf16"]["steps_ratio_vs_adamw"] == pytest.approx(0.5)  # 2.0 at step 10 of 20
+    other = copy.deepcopy(added)
+    other["runs"][0]["seed"] = 1
+    other["config"]["hyperparameters"]["muon_bf16"] = {"ns_dtype": "float16"}
+    with pytest.raises(ValueError, match="hyperparameters of muon_bf16"):
+        convergence_report.merge_results([table, added, other])
+
+
 def test_sentencepiece_vocabulary_binds_the_model(tmp_path):
     out = tmp_path / "spm.json"
     argv = [*ARGV[:12], "--steps", "2", "--eval_every", "2", "--warmup_steps", "1"]
@@ -443,6 +465,7 @@ def test_runs_flag_is_exactly_those_runs_and_their_grid():
         "adamw": [5e-4, 2.5e-4],
         "adafactor": [],
         "muon": [],
+        "muon_bf16": [],
         sonew: [1e-3],
     }
     assert args.seeds == [0, 1]
