@@ -81,13 +81,13 @@ SOURCES = ("shakespeare", "shakespeare+kjv", "python_code")
 LRS = "3.5e-4,5e-4,7e-4,1e-3,1.4e-3"  # every optimizer's optimum inside (benchmarks/README.md)
 B1, B2 = 0.9, 0.95
 DEFAULT_SONEW_EPS = optim.DEFAULT_EPS  # the library's defaults (sonew's docstring)
+MUON = {"beta": B2, "consistent_rms": 0.2, "weight_decay": 0.1, "adam_b1": B1, "adam_b2": B2}
 HYPERPARAMS = {
     "adamw": {"b1": B1, "b2": B2, "eps": 1e-8, "weight_decay": 0.1},
     "adafactor": {"factored": False, "decay": "adam (bias-corrected)", "b1": B1, "b2": B2,
                   "eps": 1e-30, "clipping_threshold": 1.0, "weight_decay": 1e-3},
-    "muon": {"beta": B2, "consistent_rms": 0.2, "weight_decay": 0.1, "adam_b1": B1, "adam_b2": B2},
-    "muon_bf16": {"beta": B2, "consistent_rms": 0.2, "weight_decay": 0.1, "adam_b1": B1,
-                  "adam_b2": B2, "ns_dtype": "bfloat16"},
+    "muon": MUON,
+    "muon_bf16": {**MUON, **train_step.MUON_VARIANTS["muon_bf16"]},  # as train_step's row
     "sonew_tridiag": {"band": 1, "b1": B1, "b2": B2, "eps": DEFAULT_SONEW_EPS, "graft": "adam",
                       "weight_decay": 0.1},
 }  # fmt: skip
